@@ -1,0 +1,42 @@
+"""The stage graph: which stage needs which, and the order to run a chosen subset in."""
+
+from __future__ import annotations
+
+from pipeline.config import STAGES, ConfigError
+
+# Each stage and the stages whose outputs it reads.
+DEPENDS: dict[str, tuple[str, ...]] = {
+    "data_prep": (),
+    "pretrain": ("data_prep",),
+    "sft": ("data_prep", "pretrain"),
+    "rlhf": ("data_prep", "sft"),
+    "eval": ("data_prep", "pretrain", "sft", "rlhf"),
+}
+
+
+def upstream(stage: str) -> tuple[str, ...]:
+    """Direct upstream stages of ``stage`` in the full graph."""
+    if stage not in DEPENDS:
+        raise ConfigError(f"run.stages={stage!r}: must be one of {list(STAGES)}")
+    return DEPENDS[stage]
+
+
+def order(selected: list[str]) -> list[str]:
+    """The selected stages in graph order (duplicates dropped)."""
+    for s in selected:
+        upstream(s)
+    return [s for s in STAGES if s in selected]
+
+
+def dependencies(stage: str, selected: list[str]) -> list[str]:
+    """Upstream stages of ``stage`` that run in this submission (the rest must already be complete)."""
+    return [u for u in upstream(stage) if u in selected]
+
+
+def downstream(stage: str, selected: list[str]) -> list[str]:
+    """Selected stages that depend on ``stage`` directly or transitively."""
+    out: list[str] = []
+    for s in order(selected):
+        if any(u == stage or u in out for u in upstream(s)):
+            out.append(s)
+    return out

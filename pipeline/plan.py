@@ -1,0 +1,123 @@
+"""Parallel plans as plain data, derived from a stage's layout and the cluster profile, checkable on CPU.
+
+``stage_plan(cfg, stage)`` gives world size, nodes, tasks per node, GPUs and CPUs per task: the sbatch
+resources are derived from it and never typed twice. ``check_layout`` raises ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pipeline.config import ConfigError, PipelineConfig, TrainStage
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A stage's process layout."""
+
+    tp: int
+    pp: int
+    dp: int
+    vpp: int | None
+    world_size: int
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+    cpus_per_task: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _ranks_per_node(cfg: PipelineConfig) -> int:
+    c = cfg.cluster
+    return c.gpus_per_node if c.gpus_per_node > 0 else c.ranks_per_node
+
+
+def stage_plan(cfg: PipelineConfig, stage: str) -> ParallelPlan:
+    """Derive the full layout of ``stage`` (raises ConfigError on an impossible request)."""
+    par = cfg.stage(stage).parallel
+    key = f"{stage}.parallel"
+    per_node = _ranks_per_node(cfg)
+    mp = par.tp * par.pp
+    if par.dp is not None:
+        dp = par.dp
+        world = mp * dp
+        nodes = par.nodes if par.nodes is not None else math.ceil(world / per_node)
+    elif par.nodes is not None:
+        nodes = par.nodes
+        if (nodes * per_node) % mp:
+            raise ConfigError(
+                f"{key}.nodes={nodes}: {nodes} node(s) x {per_node} ranks/node is not divisible by "
+                f"tp x pp = {mp}; set {key}.dp explicitly"
+            )
+        dp = nodes * per_node // mp
+        world = mp * dp
+    else:
+        dp, world = 1, mp
+        nodes = math.ceil(world / per_node)
+    if world % nodes:
+        raise ConfigError(f"{key}.nodes={nodes}: world size tp x pp x dp = {world} does not split evenly over {nodes} nodes")
+    tasks = world // nodes
+    if tasks > per_node:
+        what = "gpus_per_node" if cfg.cluster.gpus_per_node else "ranks_per_node"
+        raise ConfigError(
+            f"{key}: {tasks} ranks per node exceeds cluster.{what}={per_node}; use more {key}.nodes or fewer ranks"
+        )
+    if cfg.cluster.max_nodes is not None and nodes > cfg.cluster.max_nodes:
+        raise ConfigError(f"{key}.nodes={nodes}: the cluster profile allows at most cluster.max_nodes={cfg.cluster.max_nodes}")
+    gpus = tasks if cfg.cluster.gpus_per_node else 0
+    cpus = max(1, cfg.cluster.cpus_per_node // tasks)
+    return ParallelPlan(par.tp, par.pp, dp, par.vpp, world, nodes, tasks, gpus, cpus)
+
+
+def check_layout(cfg: PipelineConfig, stage: str) -> ParallelPlan:
+    """All layout checks for one stage, before anything is submitted."""
+    plan = stage_plan(cfg, stage)
+    st = cfg.stage(stage)
+    key = f"{stage}.parallel"
+    par = st.parallel
+    m = cfg.model
+    if stage == "data_prep" or stage == "eval":
+        if par.tp * par.pp != 1:
+            raise ConfigError(f"{key}: {stage} runs without model parallelism; set tp=1 and pp=1")
+        return plan
+    assert isinstance(st, TrainStage)
+    if m.num_attention_heads % par.tp:
+        raise ConfigError(f"{key}.tp={par.tp}: model.num_attention_heads={m.num_attention_heads} is not divisible by it")
+    groups = m.num_query_groups or m.num_attention_heads
+    if groups % par.tp:
+        raise ConfigError(f"{key}.tp={par.tp}: model.num_query_groups={groups} is not divisible by it")
+    chunks = par.pp * (par.vpp or 1)
+    if m.num_layers % chunks:
+        raise ConfigError(
+            f"{key}.pp={par.pp}: model.num_layers={m.num_layers} is not divisible by pp x vpp = {chunks}"
+        )
+    if par.global_batch_size % (par.micro_batch_size * plan.dp):
+        raise ConfigError(
+            f"{key}.global_batch_size={par.global_batch_size}: must be divisible by micro_batch_size x dp = "
+            f"{par.micro_batch_size} x {plan.dp}"
+        )
+    if par.vpp and par.vpp > 1 and (par.global_batch_size // (par.micro_batch_size * plan.dp)) % par.pp:
+        raise ConfigError(
+            f"{key}.global_batch_size={par.global_batch_size}: the interleaved schedule needs the number of "
+            f"micro batches per rank to be a multiple of pp={par.pp}"
+        )
+    if par.sequence_parallel and not _has_transformer_engine():
+        raise ConfigError(
+            f"{key}.sequence_parallel=True: needs the Transformer Engine layer spec (GPU with transformer_engine "
+            "installed); the local spec's torch LayerNorm cannot do it. Set it to false."
+        )
+    if par.sequence_parallel and par.tp < 2:
+        raise ConfigError(f"{key}.sequence_parallel=True: needs tp >= 2")
+    if par.precision != "fp32" and cfg.cluster.gpus_per_node == 0 and par.precision == "fp16":
+        raise ConfigError(f"{key}.precision=fp16: CPU runs support fp32 and bf16; use bf16")
+    return plan
+
+
+def _has_transformer_engine() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
