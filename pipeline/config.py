@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 STAGES: tuple[str, ...] = ("data_prep", "pretrain", "sft", "rlhf", "eval")
@@ -94,18 +95,38 @@ class ModelConfig:
     """Dropout of attention probabilities."""
 
     def __post_init__(self) -> None:
-        for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
+        for k in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "seq_length",
+            "make_vocab_size_divisible_by",
+        ):
             _positive(k, getattr(self, k))
-        for k in ("num_query_groups", "ffn_hidden_size", "kv_channels", "max_position_embeddings", "vocab_size"):
+        for k in (
+            "num_query_groups",
+            "ffn_hidden_size",
+            "kv_channels",
+            "max_position_embeddings",
+            "vocab_size",
+        ):
             if getattr(self, k) is not None:
                 _positive(k, getattr(self, k))
         _choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _choice("activation", self.activation, ("gelu", "swiglu"))
         _choice("position_embedding", self.position_embedding, ("learned_absolute", "rope"))
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            _fail("hidden_size", self.hidden_size, f"must be divisible by num_attention_heads={self.num_attention_heads}")
+            _fail(
+                "hidden_size",
+                self.hidden_size,
+                f"must be divisible by num_attention_heads={self.num_attention_heads}",
+            )
         if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
-            _fail("num_query_groups", self.num_query_groups, f"must divide num_attention_heads={self.num_attention_heads}")
+            _fail(
+                "num_query_groups",
+                self.num_query_groups,
+                f"must divide num_attention_heads={self.num_attention_heads}",
+            )
         _range("hidden_dropout", self.hidden_dropout, 0.0, 1.0)
         _range("attention_dropout", self.attention_dropout, 0.0, 1.0)
 
@@ -360,6 +381,30 @@ class EvalStage:
 
 
 @dataclass
+class PlannerConfig:
+    """Assumptions of the resource planner (``python -m pipeline.plan``): one GPU's peak and memory, the efficiency."""
+
+    gpu_peak_tflops: float = 989.0
+    """Dense peak TFLOP/s of one GPU in the training precision (H100 SXM bf16: 989)."""
+    mfu: float = 0.4
+    """Model FLOPs utilization assumed for step-time predictions, in (0, 1]."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GiB, as nvidia-smi reports it (H100: 80)."""
+    reserve_gb: float = 4.0
+    """GiB per GPU held back for the CUDA context, NCCL buffers and allocator fragmentation."""
+
+    def __post_init__(self) -> None:
+        if not self.gpu_peak_tflops > 0:
+            _fail("gpu_peak_tflops", self.gpu_peak_tflops, "must be > 0")
+        if not 0 < self.mfu <= 1:
+            _fail("mfu", self.mfu, "must be in (0, 1]")
+        if not self.gpu_memory_gb > 0:
+            _fail("gpu_memory_gb", self.gpu_memory_gb, "must be > 0")
+        if not 0 <= self.reserve_gb < self.gpu_memory_gb:
+            _fail("reserve_gb", self.reserve_gb, f"must be in [0, gpu_memory_gb={self.gpu_memory_gb})")
+
+
+@dataclass
 class RunConfig:
     """What to run and where its records go."""
 
@@ -371,8 +416,8 @@ class RunConfig:
     """Stages to run, a subset of data_prep, pretrain, sft, rlhf, eval."""
     dry_run: bool = False
     """Print each stage's job (sbatch script and layout) and submit nothing."""
-    follow: bool = True
-    """Wait for the jobs and draw progress (slurm: return after submitting unless true)."""
+    follow: bool = False
+    """slurm: wait for the jobs and draw progress instead of returning after submission (local/debug always wait)."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -396,6 +441,7 @@ class PipelineConfig:
     sft: TrainStage = field(default_factory=TrainStage)
     rlhf: TrainStage = field(default_factory=TrainStage)
     eval: EvalStage = field(default_factory=EvalStage)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def stage(self, name: str) -> DataPrepStage | TrainStage | EvalStage:
         _choice("run.stages", name, STAGES)
@@ -447,6 +493,7 @@ _DATACLASSES: dict[str, type] = {
         TrainStage,
         EvalStage,
         RunConfig,
+        PlannerConfig,
         PipelineConfig,
     )
 }
@@ -460,8 +507,10 @@ def build_config(cfg: Any) -> PipelineConfig:
     """
     from omegaconf import DictConfig, OmegaConf
 
-    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
-    data = {k: v for k, v in data.items() if k != "hydra"}
+    raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    if not isinstance(raw, dict):
+        raise ConfigError(f"<root>={raw!r}: expected a mapping")
+    data = {k: v for k, v in raw.items() if k != "hydra"}
     pc: PipelineConfig = _build(PipelineConfig, data, "")
     _check_cross(pc)
     return pc
@@ -531,3 +580,23 @@ def register_configs() -> None:
     cs.store(group="cluster", name="schema", node=ClusterConfig)
     cs.store(group="data", name="schema", node=DataConfig)
     cs.store(group="parallel", name="schema", node=ParallelConfig)
+
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "config") -> Any:
+    """Compose conf/ with Hydra's compose API (for companion commands and tests); returns a DictConfig."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return hydra_compose(config_name, overrides=list(overrides or []))
+
+
+def load_config(overrides: list[str] | None = None) -> PipelineConfig:
+    """Compose and validate: what ``python -m pipeline`` sees for the same overrides."""
+    return build_config(compose(overrides))

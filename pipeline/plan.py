@@ -59,7 +59,9 @@ def stage_plan(cfg: PipelineConfig, stage: str) -> ParallelPlan:
         dp, world = 1, mp
         nodes = math.ceil(world / per_node)
     if world % nodes:
-        raise ConfigError(f"{key}.nodes={nodes}: world size tp x pp x dp = {world} does not split evenly over {nodes} nodes")
+        raise ConfigError(
+            f"{key}.nodes={nodes}: world size tp x pp x dp = {world} does not split evenly over {nodes} nodes"
+        )
     tasks = world // nodes
     if tasks > per_node:
         what = "gpus_per_node" if cfg.cluster.gpus_per_node else "ranks_per_node"
@@ -67,7 +69,9 @@ def stage_plan(cfg: PipelineConfig, stage: str) -> ParallelPlan:
             f"{key}: {tasks} ranks per node exceeds cluster.{what}={per_node}; use more {key}.nodes or fewer ranks"
         )
     if cfg.cluster.max_nodes is not None and nodes > cfg.cluster.max_nodes:
-        raise ConfigError(f"{key}.nodes={nodes}: the cluster profile allows at most cluster.max_nodes={cfg.cluster.max_nodes}")
+        raise ConfigError(
+            f"{key}.nodes={nodes}: the cluster profile allows at most cluster.max_nodes={cfg.cluster.max_nodes}"
+        )
     gpus = tasks if cfg.cluster.gpus_per_node else 0
     cpus = max(1, cfg.cluster.cpus_per_node // tasks)
     return ParallelPlan(par.tp, par.pp, dp, par.vpp, world, nodes, tasks, gpus, cpus)
@@ -75,18 +79,20 @@ def stage_plan(cfg: PipelineConfig, stage: str) -> ParallelPlan:
 
 def check_layout(cfg: PipelineConfig, stage: str) -> ParallelPlan:
     """All layout checks for one stage, before anything is submitted."""
-    plan = stage_plan(cfg, stage)
     st = cfg.stage(stage)
     key = f"{stage}.parallel"
     par = st.parallel
     m = cfg.model
     if stage == "data_prep" or stage == "eval":
+        plan = stage_plan(cfg, stage)
         if par.tp * par.pp != 1:
             raise ConfigError(f"{key}: {stage} runs without model parallelism; set tp=1 and pp=1")
         return plan
     assert isinstance(st, TrainStage)
     if m.num_attention_heads % par.tp:
-        raise ConfigError(f"{key}.tp={par.tp}: model.num_attention_heads={m.num_attention_heads} is not divisible by it")
+        raise ConfigError(
+            f"{key}.tp={par.tp}: model.num_attention_heads={m.num_attention_heads} is not divisible by it"
+        )
     groups = m.num_query_groups or m.num_attention_heads
     if groups % par.tp:
         raise ConfigError(f"{key}.tp={par.tp}: model.num_query_groups={groups} is not divisible by it")
@@ -95,6 +101,7 @@ def check_layout(cfg: PipelineConfig, stage: str) -> ParallelPlan:
         raise ConfigError(
             f"{key}.pp={par.pp}: model.num_layers={m.num_layers} is not divisible by pp x vpp = {chunks}"
         )
+    plan = stage_plan(cfg, stage)
     if par.global_batch_size % (par.micro_batch_size * plan.dp):
         raise ConfigError(
             f"{key}.global_batch_size={par.global_batch_size}: must be divisible by micro_batch_size x dp = "

@@ -1,0 +1,1 @@
+"""LLM training pipeline: config, stage graph, submission, ledger, reports (no torch imports here)."""

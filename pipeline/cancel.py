@@ -1,0 +1,54 @@
+"""``python -m pipeline.cancel <run_dir>``: cancel the run's queued and running jobs and mark them cancelled."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from pipeline.config import STAGES
+from pipeline.ledger import ACTIVE, CANCELLED, Ledger
+
+
+def cancel_run(run_dir: Path) -> list[str]:
+    """Cancel every active stage's job; returns the stages cancelled."""
+    ledger = Ledger(run_dir)
+    done = []
+    for s in STAGES:
+        rec = ledger.read(s)
+        if not rec or rec.status not in ACTIVE:
+            continue
+        if rec.executor == "slurm":
+            from pipeline.slurm_submit import cancel_jobs
+
+            cancel_jobs(rec.job_ids)
+        elif rec.executor == "local":
+            for j in rec.job_ids:
+                if j.isdigit():
+                    try:
+                        os.kill(int(j), signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+        ledger.update(s, status=CANCELLED, ended_at=time.time(), error="cancelled by user")
+        ledger.event("cancelled", s, job_ids=rec.job_ids)
+        done.append(s)
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.cancel", description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", type=Path, help="a run directory (runs/<name>-<hash>)")
+    a = p.parse_args(argv)
+    if not (a.run_dir / "ledger").is_dir():
+        print(f"error: {a.run_dir} is not a run directory (no ledger/ inside)", file=sys.stderr)
+        return 2
+    done = cancel_run(a.run_dir)
+    print(f"cancelled: {', '.join(done)}" if done else "nothing to cancel")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Submission: one submitit job per stage (local | debug | slurm), resources derived from the parallel plan.
+
+The submitting side builds executors and submits ``run_stage``; the job side (``run_stage``, on every rank)
+sets the torch.distributed variables from submitit's JobEnvironment, marks the ledger and calls
+``stages.<stage>.main(cfg, ctx)``. Nothing here imports torch or megatron at module level.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shlex
+import shutil
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import PipelineConfig, from_dict
+from pipeline.ledger import COMPLETED, FAILED, RUNNING, Ledger
+from pipeline.plan import ParallelPlan, stage_plan
+
+CODE_DIRS = ("pipeline", "stages", "conf")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def stage_out_dir(run_dir: Path, stage: str) -> Path:
+    return Path(run_dir) / "stages" / stage
+
+
+def job_folder(run_dir: Path, stage: str) -> Path:
+    return Path(run_dir) / "jobs" / stage
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for the local executor's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def snapshot_code(run_dir: Path) -> Path:
+    """Copy the code into the run directory so queued jobs run it as it was when submitted."""
+    dest = Path(run_dir) / "code" / time.strftime("%Y%m%d-%H%M%S")
+    n = 0
+    while dest.exists():
+        n += 1
+        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+    tmp = dest.with_name(dest.name + ".tmp")
+    for d in CODE_DIRS:
+        shutil.copytree(REPO_ROOT / d, tmp / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    tmp.rename(dest)
+    return dest
+
+
+# ---------------------------------------------------------------------------- executors
+
+
+def slurm_parameters(
+    cfg: PipelineConfig, stage: str, plan: ParallelPlan, code_dir: Path | None
+) -> dict[str, Any]:
+    """sbatch parameters for one stage, all derived from its plan and the cluster profile."""
+    c = cfg.cluster
+    st = cfg.stage(stage)
+    setup = list(c.setup)
+    env = dict(c.env)
+    if code_dir is not None:
+        setup.append(f"export PYTHONPATH={shlex.quote(str(code_dir))}${{PYTHONPATH:+:$PYTHONPATH}}")
+    setup += [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(env.items())]
+    params: dict[str, Any] = {
+        "job_name": f"{cfg.run.name}-{stage}",
+        "nodes": plan.nodes,
+        "ntasks_per_node": plan.tasks_per_node,
+        "cpus_per_task": plan.cpus_per_task,
+        "time": st.time_min or c.time_min,
+        "signal_delay_s": c.signal_delay_s,
+        "setup": setup,
+        "additional_parameters": {"requeue": True},
+    }
+    if plan.gpus_per_node:
+        params["gpus_per_node"] = plan.gpus_per_node
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(c, key):
+            params[key] = getattr(c, key)
+    if c.exclusive:
+        params["exclusive"] = True
+    if c.mem_gb:
+        params["mem"] = f"{c.mem_gb}GB"
+    if c.container_image:
+        params["srun_args"] = [f"--container-image={c.container_image}", "--container-mounts=/:/"]
+    return params
+
+
+def make_executor(cfg: PipelineConfig, stage: str, run_dir: Path, code_dir: Path | None = None) -> Any:
+    """The submitit executor for one stage, with its resources set."""
+    import submitit
+
+    plan = stage_plan(cfg, stage)
+    folder = job_folder(run_dir, stage) / "%j"
+    kind = cfg.cluster.executor
+    timeout = cfg.stage(stage).time_min or cfg.cluster.time_min
+    if kind == "debug":
+        return submitit.DebugExecutor(folder=folder)
+    if kind == "local":
+        ex = submitit.LocalExecutor(folder=folder)
+        ex.update_parameters(timeout_min=timeout, tasks_per_node=plan.world_size, nodes=1)
+        return ex
+    slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=cfg.cluster.max_requeues)
+    slurm.update_parameters(**slurm_parameters(cfg, stage, plan, code_dir))
+    return slurm
+
+
+def sbatch_script(cfg: PipelineConfig, stage: str, run_dir: Path, code_dir: Path | None = None) -> str:
+    """The sbatch script ``cluster=slurm`` would submit for ``stage`` (dry run; needs no SLURM)."""
+    import submitit
+
+    plan = stage_plan(cfg, stage)
+    ex = submitit.SlurmExecutor(folder=job_folder(run_dir, stage) / "%j", python="python3")
+    ex.update_parameters(**slurm_parameters(cfg, stage, plan, code_dir))
+    return str(ex._make_submission_file_text(ex._submitit_command_str, "dry-run"))
+
+
+# ---------------------------------------------------------------------------- the job side
+
+
+def _job_environment(executor: str) -> tuple[int, int, int, str, str]:
+    """(rank, world size, local rank, master address, job id) inside a submitit job."""
+    import submitit
+
+    if executor == "debug":
+        return 0, 1, 0, "127.0.0.1", os.environ.get("SUBMITIT_DEBUG_JOB_ID", "debug")
+    env = submitit.JobEnvironment()
+    master = env.hostnames[0] if executor == "slurm" else "127.0.0.1"
+    return env.global_rank, env.num_tasks, env.local_rank, master, str(env.job_id)
+
+
+def _rendezvous_port(executor: str, job_id: str, given: int | None) -> int:
+    if given:
+        return given
+    digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
+    return 20000 + int(digits) % 20000  # same on every rank of a SLURM job, differs between jobs
+
+
+def run_stage(
+    stage: str, cfg_dict: dict[str, Any], run_dir: str, master_port: int | None = None
+) -> dict[str, Any]:
+    """Job entry point on every rank: set up the distributed environment, run the stage, mark the ledger."""
+    cfg = from_dict(cfg_dict)
+    rank, world, local_rank, master, job_id = _job_environment(cfg.cluster.executor)
+    port = _rendezvous_port(cfg.cluster.executor, job_id, master_port)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(local_rank),
+        MASTER_ADDR=master,
+        MASTER_PORT=str(port),
+    )
+    ledger = Ledger(Path(run_dir))
+    if rank == 0:
+        rec = ledger.read(stage)
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        ledger.update(
+            stage,
+            status=RUNNING,
+            started_at=time.time(),
+            attempts=(rec.attempts if rec else 0) + 1,
+            requeues=restarts,
+            host=socket.gethostname(),
+            error=None,
+        )
+        ledger.event("started", stage, job_id=job_id, world_size=world)
+    try:
+        out = _call_stage(stage, cfg, Path(run_dir))
+    except BaseException as e:
+        if rank == 0:
+            err = f"{type(e).__name__}: {e}"
+            ledger.update(stage, status=FAILED, ended_at=time.time(), error=err)
+            ledger.event("failed", stage, error=err, traceback=traceback.format_exc(limit=20))
+        raise
+    if rank == 0:
+        ledger.update(stage, status=COMPLETED, ended_at=time.time(), outputs=out)
+        ledger.event("completed", stage)
+    return out
+
+
+def _call_stage(stage: str, cfg: PipelineConfig, run_dir: Path) -> dict[str, Any]:
+    from pipeline.graph import upstream
+    from stages.context import StageContext
+
+    ctx = StageContext(
+        run_dir=run_dir,
+        stage=stage,
+        out_dir=stage_out_dir(run_dir, stage),
+        inputs={u: stage_out_dir(run_dir, u) for u in upstream(stage)},
+        plan=stage_plan(cfg, stage),
+    )
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    module = importlib.import_module(f"stages.{stage}")
+    return dict(module.main(cfg, ctx) or {})

@@ -1,0 +1,135 @@
+"""The run directory's record of what is done: one JSON file per stage (atomic) plus an append-only event log.
+
+Layout of a run directory (``runs/<run.name>-<run_hash>``)::
+
+    ledger/<stage>.json     status, hash, job ids, attempts, times, outputs, error (written atomically)
+    events.jsonl            one line per event (submitted, started, completed, failed, skipped, ...)
+    stages/<stage>/         the stage's own outputs (metrics.jsonl, checkpoints/, ...)
+    jobs/<stage>/           submitit folders: job scripts, pickles, logs
+    provenance/             resolved config, git commit, package versions
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Stage statuses. "completed" is the only one downstream stages may rely on.
+PENDING, SUBMITTED, RUNNING, COMPLETED, FAILED, CANCELLED = (
+    "pending",
+    "submitted",
+    "running",
+    "completed",
+    "failed",
+    "cancelled",
+)
+ACTIVE = (SUBMITTED, RUNNING)
+
+
+@dataclass
+class StageRecord:
+    """What the ledger knows about one stage of one run."""
+
+    stage: str
+    status: str = PENDING
+    hash: str = ""
+    upstream: dict[str, str] = field(default_factory=dict)
+    executor: str = ""
+    job_ids: list[str] = field(default_factory=list)
+    attempts: int = 0
+    requeues: int = 0
+    submitted_at: float | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    outputs: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    log: str | None = None
+    plan: dict[str, Any] = field(default_factory=dict)
+    host: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StageRecord:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same folder, fsync, rename: readers see old or new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class Ledger:
+    """Reads and writes a run directory's records. Safe to use from the submitter and from rank 0 of a job."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / "ledger"
+        self.events_path = self.run_dir / "events.jsonl"
+
+    def path(self, stage: str) -> Path:
+        return self.dir / f"{stage}.json"
+
+    def read(self, stage: str) -> StageRecord | None:
+        p = self.path(stage)
+        if not p.exists():
+            return None
+        return StageRecord.from_dict(json.loads(p.read_text()))
+
+    def write(self, record: StageRecord) -> None:
+        atomic_write_text(
+            self.path(record.stage), json.dumps(asdict(record), indent=2, sort_keys=True, default=str)
+        )
+
+    def update(self, stage: str, **fields: Any) -> StageRecord:
+        rec = self.read(stage) or StageRecord(stage=stage)
+        for k, v in fields.items():
+            if k not in StageRecord.__dataclass_fields__:
+                raise KeyError(f"unknown ledger field {k!r}")
+            setattr(rec, k, v)
+        self.write(rec)
+        return rec
+
+    def event(self, kind: str, stage: str | None = None, **data: Any) -> None:
+        """Append one event line (O_APPEND: concurrent writers do not interleave lines)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        rec = {"time": time.time(), "event": kind, "stage": stage, "host": socket.gethostname(), **data}
+        line = json.dumps(rec, default=str) + "\n"
+        fd = os.open(self.events_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = "\n" + line  # a crash cut the last line: start on a fresh one
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    def events(self) -> list[dict[str, Any]]:
+        if not self.events_path.exists():
+            return []
+        out = []
+        for line in self.events_path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash mid-write is skipped, never fatal
+        return out
+
+    def records(self, stages: list[str]) -> dict[str, StageRecord | None]:
+        return {s: self.read(s) for s in stages}

@@ -1,0 +1,193 @@
+"""Run a validated config: decide what the ledger says is done, submit the rest, follow it, report.
+
+Local and debug executors run the stages one after another while this process waits (submitit's local
+executor knows no dependencies); the SLURM executor submits the whole graph at once with ``afterok``
+dependencies and returns.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from pipeline import progress
+from pipeline.config import PipelineConfig, run_hash, stage_hashes
+from pipeline.graph import dependencies, order, upstream
+from pipeline.launch import free_port, make_executor, run_stage, sbatch_script, stage_out_dir
+from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, SUBMITTED, Ledger, StageRecord
+from pipeline.plan import stage_plan
+
+
+class RunError(RuntimeError):
+    """The run cannot go on (a stage failed or an input is missing); the message says where to look."""
+
+
+@dataclass
+class Decision:
+    """What to do with each selected stage."""
+
+    skip: list[str] = field(default_factory=list)
+    active: list[str] = field(default_factory=list)
+    submit: list[str] = field(default_factory=list)
+
+
+def run_dir_for(cfg: PipelineConfig) -> Path:
+    """Deterministic run directory: experiment name + hash of everything that changes results."""
+    return Path(cfg.run.root).resolve() / f"{cfg.run.name}-{run_hash(cfg)}"
+
+
+def decide(cfg: PipelineConfig, ledger: Ledger, alive: Any = None) -> Decision:
+    """Skip stages completed with the same hash; leave live ones alone; submit the rest and their dependents."""
+    hashes = stage_hashes(cfg)
+    selected = order(cfg.run.stages)
+    d = Decision()
+    for s in selected:
+        rec = ledger.read(s)
+        if any(u in d.submit for u in dependencies(s, selected)):
+            d.submit.append(s)
+        elif rec and rec.status == COMPLETED and rec.hash == hashes[s]:
+            d.skip.append(s)
+        elif rec and rec.status in ACTIVE and rec.hash == hashes[s] and alive is not None and alive(rec):
+            d.active.append(s)
+        else:
+            d.submit.append(s)
+    for s in d.submit:
+        for u in upstream(s):
+            if u in selected:
+                continue
+            rec = ledger.read(u)
+            if not (rec and rec.status == COMPLETED and rec.hash == hashes[u]):
+                raise RunError(
+                    f"stage {s!r} needs {u!r}, which is not completed in {ledger.run_dir} with this config; "
+                    f"add it to run.stages (e.g. run.stages=[{u},{s}])"
+                )
+    return d
+
+
+def execute(cfg: PipelineConfig, *, out: TextIO = sys.stdout) -> int:
+    """Plan, submit and (for local/debug) follow one run. Returns a process exit code."""
+    run_dir = run_dir_for(cfg)
+    if cfg.run.dry_run:
+        return dry_run(cfg, run_dir, out)
+    ledger = Ledger(run_dir)
+    d = decide(cfg, ledger, alive=_job_alive)
+    print(f"run directory: {run_dir}", file=out)
+    for s in d.skip:
+        print(f"[{s}] completed earlier with the same config: skipped", file=out)
+    for s in d.active:
+        rec = ledger.read(s)
+        print(
+            f"[{s}] already queued or running (job {', '.join(rec.job_ids) if rec else '?'}): nothing submitted",
+            file=out,
+        )
+    if not d.submit:
+        ledger.event("nothing_to_do")
+        return summarize(cfg, run_dir, out)
+    _write_provenance(cfg, run_dir)
+    if cfg.cluster.executor == "slurm":
+        from pipeline.slurm_submit import submit_graph
+
+        return submit_graph(cfg, run_dir, d.submit, out=out)
+    for s in d.submit:
+        _run_one_local(cfg, s, run_dir, ledger, out)
+    return summarize(cfg, run_dir, out)
+
+
+def _run_one_local(cfg: PipelineConfig, stage: str, run_dir: Path, ledger: Ledger, out: TextIO) -> None:
+    hashes = stage_hashes(cfg)
+    ex = make_executor(cfg, stage, run_dir)
+    port = free_port()
+    _mark_submitted(cfg, ledger, stage, hashes, executor=cfg.cluster.executor)
+    job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), port)
+    ledger.update(stage, job_ids=[str(job.job_id)], log=str(job.paths.stdout))
+    ledger.event("submitted", stage, job_id=str(job.job_id))
+    follower = progress.Follower(stage, stage_out_dir(run_dir, stage) / "metrics.jsonl", out=out)
+    try:
+        if cfg.cluster.executor == "debug":
+            job.result()
+        else:
+            while not job.done():
+                follower.poll()
+                time.sleep(0.5)
+            job.result()
+    except Exception as e:
+        rec = ledger.read(stage)
+        if rec and rec.status != FAILED:
+            ledger.update(stage, status=FAILED, ended_at=time.time(), error=f"{type(e).__name__}: {e}")
+        follower.poll()
+        log = job.paths.stderr if cfg.cluster.executor == "local" else None
+        raise RunError(f"stage {stage!r} failed: {_last_error(e)}\n  log: {log or 'see above'}") from None
+    follower.poll(final=True)
+
+
+def _mark_submitted(
+    cfg: PipelineConfig, ledger: Ledger, stage: str, hashes: dict[str, str], executor: str
+) -> StageRecord:
+    prev = ledger.read(stage)
+    return ledger.update(
+        stage,
+        status=SUBMITTED,
+        hash=hashes[stage],
+        upstream={u: hashes[u] for u in upstream(stage)},
+        executor=executor,
+        submitted_at=time.time(),
+        ended_at=None,
+        error=None,
+        plan=stage_plan(cfg, stage).as_dict(),
+        attempts=prev.attempts if prev and prev.hash == hashes[stage] else 0,
+    )
+
+
+def _last_error(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    tail = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+    return (tail or lines or [type(e).__name__])[-1].strip()
+
+
+def _job_alive(rec: StageRecord) -> bool:
+    """Is the job behind a queued/running record still alive? (local: its process; slurm: squeue/sacct)."""
+    if rec.executor == "slurm":
+        from pipeline.slurm_submit import slurm_job_alive
+
+        return any(slurm_job_alive(j) for j in rec.job_ids)
+    if rec.executor == "local":
+        import psutil
+
+        return any(j.isdigit() and psutil.pid_exists(int(j)) for j in rec.job_ids)
+    return False
+
+
+def dry_run(cfg: PipelineConfig, run_dir: Path, out: TextIO) -> int:
+    """Print each selected stage's layout and the sbatch script that would be submitted."""
+    print(f"dry run (nothing submitted): run directory would be {run_dir}", file=out)
+    for s in order(cfg.run.stages):
+        plan = stage_plan(cfg, s)
+        print(f"\n=== {s}: {plan.as_dict()}", file=out)
+        print(sbatch_script(cfg, s, run_dir, run_dir / "code" / "<submission>"), file=out)
+    return 0
+
+
+def summarize(cfg: PipelineConfig, run_dir: Path, out: TextIO) -> int:
+    """Print the results table (if eval ran) and where everything was written."""
+    ledger = Ledger(run_dir)
+    results = stage_out_dir(run_dir, "eval") / "results.json"
+    if results.exists():
+        from pipeline.report import results_table
+
+        print("\n" + results_table(results), file=out)
+    print(f"\nrun directory: {run_dir}", file=out)
+    for s in order(cfg.run.stages):
+        rec = ledger.read(s)
+        status = rec.status if rec else "not run"
+        print(f"  {s:<10} {status:<10} {stage_out_dir(run_dir, s)}", file=out)
+    bad = [s for s in cfg.run.stages if (r := ledger.read(s)) and r.status in (FAILED, CANCELLED)]
+    return 1 if bad else 0
+
+
+def _write_provenance(cfg: PipelineConfig, run_dir: Path) -> None:
+    from pipeline.provenance import write_provenance
+
+    write_provenance(cfg, run_dir)

@@ -1,0 +1,111 @@
+"""Ledger records, event log, skip/resubmit decisions, dry-run scripts: no jobs run here."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import load_config, stage_hashes
+from pipeline.launch import sbatch_script
+from pipeline.ledger import COMPLETED, FAILED, RUNNING, Ledger, StageRecord
+from pipeline.orchestrate import RunError, decide, run_dir_for
+
+REFERENCE = Path(__file__).parent / "data" / "dryrun_gpu_ib_pretrain.sbatch"
+
+
+def test_atomic_record_roundtrip(tmp_path: Path) -> None:
+    led = Ledger(tmp_path)
+    led.write(StageRecord(stage="pretrain", status=RUNNING, job_ids=["12"]))
+    led.update("pretrain", status=COMPLETED, outputs={"checkpoint": "x"})
+    rec = led.read("pretrain")
+    assert rec and rec.status == COMPLETED and rec.job_ids == ["12"] and rec.outputs == {"checkpoint": "x"}
+    assert not list((tmp_path / "ledger").glob("*.tmp"))
+    with pytest.raises(KeyError):
+        led.update("pretrain", nonsense=1)
+
+
+def test_event_log_tolerates_a_cut_line(tmp_path: Path) -> None:
+    led = Ledger(tmp_path)
+    led.event("submitted", "pretrain", job_id="1")
+    with open(led.events_path, "a") as f:
+        f.write('{"event": "cut')
+    led.event("completed", "pretrain")
+    assert [e["event"] for e in led.events()] == ["submitted", "completed"]
+
+
+def _complete(led: Ledger, hashes: dict[str, str], *stages: str) -> None:
+    for s in stages:
+        led.write(StageRecord(stage=s, status=COMPLETED, hash=hashes[s]))
+
+
+def test_decide_skips_completed_and_resubmits_failed_with_dependents(tmp_path: Path) -> None:
+    cfg = load_config([f"run.root={tmp_path}"])
+    hashes = stage_hashes(cfg)
+    led = Ledger(run_dir_for(cfg))
+    _complete(led, hashes, "data_prep", "pretrain")
+    led.write(StageRecord(stage="sft", status=FAILED, hash=hashes["sft"]))
+    _complete(led, hashes, "rlhf")  # stale: depends on the failed sft, so it reruns
+    d = decide(cfg, led)
+    assert d.skip == ["data_prep", "pretrain"]
+    assert d.submit == ["sft", "rlhf", "eval"]
+
+
+def test_decide_all_done_submits_nothing(tmp_path: Path) -> None:
+    cfg = load_config([f"run.root={tmp_path}"])
+    led = Ledger(run_dir_for(cfg))
+    _complete(led, stage_hashes(cfg), "data_prep", "pretrain", "sft", "rlhf", "eval")
+    d = decide(cfg, led)
+    assert d.submit == [] and len(d.skip) == 5
+
+
+def test_decide_leaves_live_jobs_alone(tmp_path: Path) -> None:
+    cfg = load_config([f"run.root={tmp_path}", "run.stages=[data_prep,pretrain]"])
+    hashes = stage_hashes(cfg)
+    led = Ledger(run_dir_for(cfg))
+    _complete(led, hashes, "data_prep")
+    led.write(
+        StageRecord(
+            stage="pretrain", status=RUNNING, hash=hashes["pretrain"], executor="slurm", job_ids=["7"]
+        )
+    )
+    assert decide(cfg, led, alive=lambda rec: True).active == ["pretrain"]
+    assert decide(cfg, led, alive=lambda rec: False).submit == ["pretrain"]
+
+
+def test_subset_needs_completed_upstream(tmp_path: Path) -> None:
+    cfg = load_config([f"run.root={tmp_path}", "run.stages=[sft]"])
+    with pytest.raises(RunError, match=r"stage 'sft' needs 'data_prep'.*run.stages="):
+        decide(cfg, Ledger(run_dir_for(cfg)))
+
+
+def test_changed_stage_config_reruns_that_stage(tmp_path: Path) -> None:
+    cfg = load_config([f"run.root={tmp_path}"])
+    led = Ledger(run_dir_for(cfg))
+    _complete(led, stage_hashes(cfg), "data_prep", "pretrain", "sft", "rlhf", "eval")
+    cfg2 = load_config([f"run.root={tmp_path}", "eval.max_new_tokens=5"])
+    assert decide(cfg2, Ledger(run_dir_for(cfg))).submit == ["eval"]
+
+
+def test_dry_run_script_matches_reference() -> None:
+    cfg = load_config(
+        [
+            "cluster=gpu_ib",
+            "run.root=/shared/runs",
+            "pretrain.parallel.tp=4",
+            "pretrain.parallel.nodes=2",
+            "pretrain.parallel.global_batch_size=64",
+        ]
+    )
+    run_dir = run_dir_for(cfg)
+    text = sbatch_script(cfg, "pretrain", run_dir, Path("/shared/runs/code"))
+    text = text.replace(str(run_dir), "<run_dir>")
+    if os.environ.get("UPDATE_REFERENCE") == "1":  # regenerate after an intended change, then review the diff
+        REFERENCE.write_text(text)
+    assert text == REFERENCE.read_text()
+    assert (
+        "#SBATCH --nodes=2" in text
+        and "#SBATCH --ntasks-per-node=8" in text
+        and "#SBATCH --gpus-per-node=8" in text
+    )
