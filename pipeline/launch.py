@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import PipelineConfig, from_dict
-from pipeline.ledger import COMPLETED, FAILED, RUNNING, Ledger
+from pipeline.ledger import COMPLETED, FAILED, REQUEUED, RUNNING, STOPPED, Ledger
 from pipeline.plan import ParallelPlan, stage_plan
 
 CODE_DIRS = ("pipeline", "stages", "conf")
@@ -174,14 +174,30 @@ def run_stage(
         out = _call_stage(stage, cfg, Path(run_dir))
     except BaseException as e:
         if rank == 0:
-            err = f"{type(e).__name__}: {e}"
-            ledger.update(stage, status=FAILED, ended_at=time.time(), error=err)
-            ledger.event("failed", stage, error=err, traceback=traceback.format_exc(limit=20))
+            _record_failure(ledger, stage, cfg, e)
         raise
     if rank == 0:
         ledger.update(stage, status=COMPLETED, ended_at=time.time(), outputs=out)
         ledger.event("completed", stage)
     return out
+
+
+def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseException) -> None:
+    """Ledger entry for a stage that did not complete: stopped on a signal, requeued, or failed."""
+    from stages.engine.signals import Preempted, requeue_self, restart_count
+
+    err = f"{type(e).__name__}: {e}"
+    if isinstance(e, Preempted):
+        requeued = requeue_self(f"stopped by signal {e}")
+        ledger.update(stage, status=REQUEUED if requeued else STOPPED, ended_at=time.time(), error=err)
+        ledger.event("requeued" if requeued else "stopped", stage, error=err)
+        return
+    if restart_count() < cfg.cluster.max_requeues and requeue_self(f"crashed: {err}"):
+        ledger.update(stage, status=REQUEUED, error=err)
+        ledger.event("requeued", stage, error=err, traceback=traceback.format_exc(limit=20))
+        return
+    ledger.update(stage, status=FAILED, ended_at=time.time(), error=err)
+    ledger.event("failed", stage, error=err, traceback=traceback.format_exc(limit=20))
 
 
 def _call_stage(stage: str, cfg: PipelineConfig, run_dir: Path) -> dict[str, Any]:

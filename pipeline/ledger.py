@@ -20,16 +20,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Stage statuses. "completed" is the only one downstream stages may rely on.
-PENDING, SUBMITTED, RUNNING, COMPLETED, FAILED, CANCELLED = (
+# Stage statuses. "completed" is the only one downstream stages may rely on. "stopped": saved and exited on
+# a signal (re-running resumes it); "requeued": SLURM was asked to run the job again.
+PENDING, SUBMITTED, RUNNING, COMPLETED, FAILED, CANCELLED, STOPPED, REQUEUED = (
     "pending",
     "submitted",
     "running",
     "completed",
     "failed",
     "cancelled",
+    "stopped",
+    "requeued",
 )
-ACTIVE = (SUBMITTED, RUNNING)
+ACTIVE = (SUBMITTED, RUNNING, REQUEUED)
 
 
 @dataclass

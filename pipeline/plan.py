@@ -2,6 +2,8 @@
 
 ``stage_plan(cfg, stage)`` gives world size, nodes, tasks per node, GPUs and CPUs per task: the sbatch
 resources are derived from it and never typed twice. ``check_layout`` raises ConfigError naming the key.
+Memory, FLOPs and step-time estimates live in ``pipeline.planner``; ``python -m pipeline.plan [overrides]``
+prints them per training stage (``pipeline.plan_cli``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pipeline.config import ConfigError, PipelineConfig, TrainStage
+from pipeline.config import ConfigError, ModelConfig, ParallelConfig, PipelineConfig, TrainStage
 
 
 @dataclass(frozen=True)
@@ -82,13 +84,21 @@ def check_layout(cfg: PipelineConfig, stage: str) -> ParallelPlan:
     st = cfg.stage(stage)
     key = f"{stage}.parallel"
     par = st.parallel
-    m = cfg.model
     if stage == "data_prep" or stage == "eval":
         plan = stage_plan(cfg, stage)
         if par.tp * par.pp != 1:
             raise ConfigError(f"{key}: {stage} runs without model parallelism; set tp=1 and pp=1")
         return plan
     assert isinstance(st, TrainStage)
+    _check_model_split(cfg.model, par, key)
+    plan = stage_plan(cfg, stage)
+    _check_batch(par, plan, key)
+    _check_features(cfg, par, key)
+    return plan
+
+
+def _check_model_split(m: ModelConfig, par: ParallelConfig, key: str) -> None:
+    """Heads, key/value groups and MLP width split over tp; layers over pp x vpp."""
     if m.num_attention_heads % par.tp:
         raise ConfigError(
             f"{key}.tp={par.tp}: model.num_attention_heads={m.num_attention_heads} is not divisible by it"
@@ -96,12 +106,17 @@ def check_layout(cfg: PipelineConfig, stage: str) -> ParallelPlan:
     groups = m.num_query_groups or m.num_attention_heads
     if groups % par.tp:
         raise ConfigError(f"{key}.tp={par.tp}: model.num_query_groups={groups} is not divisible by it")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    if ffn % par.tp:
+        raise ConfigError(f"{key}.tp={par.tp}: model.ffn_hidden_size={ffn} is not divisible by it")
     chunks = par.pp * (par.vpp or 1)
     if m.num_layers % chunks:
-        raise ConfigError(
-            f"{key}.pp={par.pp}: model.num_layers={m.num_layers} is not divisible by pp x vpp = {chunks}"
-        )
-    plan = stage_plan(cfg, stage)
+        what = f"{key}.pp={par.pp}" if par.vpp is None else f"{key}.pp={par.pp} x {key}.vpp={par.vpp}"
+        raise ConfigError(f"{what}: model.num_layers={m.num_layers} is not divisible by pp x vpp = {chunks}")
+
+
+def _check_batch(par: ParallelConfig, plan: ParallelPlan, key: str) -> None:
+    """The global batch splits into whole micro batches per data-parallel rank (a multiple of pp interleaved)."""
     if par.global_batch_size % (par.micro_batch_size * plan.dp):
         raise ConfigError(
             f"{key}.global_batch_size={par.global_batch_size}: must be divisible by micro_batch_size x dp = "
@@ -112,6 +127,10 @@ def check_layout(cfg: PipelineConfig, stage: str) -> ParallelPlan:
             f"{key}.global_batch_size={par.global_batch_size}: the interleaved schedule needs the number of "
             f"micro batches per rank to be a multiple of pp={par.pp}"
         )
+
+
+def _check_features(cfg: PipelineConfig, par: ParallelConfig, key: str) -> None:
+    """Sequence parallel needs Transformer Engine and tp >= 2; CPU ranks cannot run fp16."""
     if par.sequence_parallel and not _has_transformer_engine():
         raise ConfigError(
             f"{key}.sequence_parallel=True: needs the Transformer Engine layer spec (GPU with transformer_engine "
@@ -119,12 +138,19 @@ def check_layout(cfg: PipelineConfig, stage: str) -> ParallelPlan:
         )
     if par.sequence_parallel and par.tp < 2:
         raise ConfigError(f"{key}.sequence_parallel=True: needs tp >= 2")
-    if par.precision != "fp32" and cfg.cluster.gpus_per_node == 0 and par.precision == "fp16":
+    if cfg.cluster.gpus_per_node == 0 and par.precision == "fp16":
         raise ConfigError(f"{key}.precision=fp16: CPU runs support fp32 and bf16; use bf16")
-    return plan
 
 
 def _has_transformer_engine() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("transformer_engine") is not None
+
+
+if __name__ == "__main__":
+    import sys
+
+    from pipeline.plan_cli import main
+
+    sys.exit(main())

@@ -16,6 +16,8 @@ Nothing here imports torch or megatron, so plans are made on a laptop. Sources o
 - FLOPs: Narayanan et al. 2021, ``72 B s L h^2 (1 + s/(6h) + V/(12 L h))`` for forward and backward,
   generalized to grouped-query attention and gated MLPs as Megatron-LM's ``num_floating_point_operations``
   does (identical for GPT shapes).
+- Step time: model FLOPs / (GPUs x planner.gpu_peak_tflops x planner.mfu), the definition of MFU, so the
+  assumed MFU absorbs recompute, the pipeline bubble and communication (both are printed beside it).
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ def vocab_of(model: ModelConfig, vocab_size: int | None = None) -> int:
     if vocab is None:
         raise ConfigError("model.vocab_size=None: the planner needs a vocabulary size; set model.vocab_size")
     return vocab
+
+
+def config_vocab(cfg: PipelineConfig) -> int:
+    """The run's unpadded vocabulary: model.vocab_size, else the size of the tokenizer data prep trains."""
+    if cfg.model.vocab_size is None and cfg.data.tokenizer_path is None:
+        return cfg.data.vocab_size
+    return vocab_of(cfg.model)
 
 
 def padded_vocab(model: ModelConfig, vocab: int, tp: int) -> int:
@@ -287,7 +296,7 @@ def _estimate(cfg: PipelineConfig, stage: str) -> StageEstimate:
             f"run.stages={stage!r}: the planner estimates training stages (pretrain, sft, rlhf)"
         )
     m, par = cfg.model, st.parallel
-    vocab = padded_vocab(m, vocab_of(m), par.tp)
+    vocab = padded_vocab(m, config_vocab(cfg), par.tp)
     micro = par.global_batch_size // (par.micro_batch_size * plan.dp)
     ranks = tuple(rank_memory(m, par, plan.dp, vocab, r, micro) for r in range(par.pp))
     if stage == "rlhf":  # DPO keeps a frozen reference model: weights only
@@ -394,13 +403,13 @@ def suggest_fix(cfg: PipelineConfig, stage: str) -> str | None:
         except ConfigError:
             continue
         if est.fits:
-            return _overrides(stage, par, knobs) + f" (then {est.peak_bytes / GiB:.1f} GiB per GPU)"
+            return _overrides(stage, par, plan, knobs) + f" (then {est.peak_bytes / GiB:.1f} GiB per GPU)"
     return None
 
 
-def _overrides(stage: str, par: ParallelConfig, knobs: dict[str, Any]) -> str:
-    """The knobs that differ from ``par`` as ``stage.parallel.key=value`` Hydra overrides."""
-    current = dataclasses.asdict(par)
+def _overrides(stage: str, par: ParallelConfig, plan: ParallelPlan, knobs: dict[str, Any]) -> str:
+    """The knobs that differ from the current layout as ``stage.parallel.key=value`` Hydra overrides."""
+    current = {**dataclasses.asdict(par), "dp": plan.dp, "nodes": plan.nodes}
     changed = {k: v for k, v in knobs.items() if current[k] != v}
     return " ".join(
         f"{stage}.parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changed.items()
