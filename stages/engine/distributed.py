@@ -1,0 +1,227 @@
+"""Process groups, model-parallel state and seeds: the only module calling init_process_group / parallel_state.
+
+The layout comes from torchrun-style environment variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT; set by pipeline.launch.run_stage). Without them the process is a single rank on a free port.
+Backend: nccl with CUDA, gloo without (and then stages.engine.cpu_compat is installed).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on this host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env_int(environ: Mapping[str, str], key: str, default: int) -> int:
+    value = environ.get(key)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{key}={value!r}: must be an integer") from None
+
+
+def env_from_os(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read the layout from the environment (torchrun variables); default: one rank on a free port."""
+    environ = os.environ if environ is None else environ
+    world = _env_int(environ, "WORLD_SIZE", 1)
+    rank = _env_int(environ, "RANK", 0)
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE={world}: must be >= 1")
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank}: must be in [0, WORLD_SIZE={world})")
+    if world > 1 and "MASTER_PORT" not in environ:
+        raise ValueError(f"MASTER_PORT: required when WORLD_SIZE={world} > 1")
+    port = _env_int(environ, "MASTER_PORT", 0) or free_port()
+    addr = environ.get("MASTER_ADDR") or "127.0.0.1"
+    return DistEnv(rank, world, _env_int(environ, "LOCAL_RANK", 0), addr, port)
+
+
+def init(
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    *,
+    seed: int = 1234,
+    threads: int = 2,
+    env: DistEnv | None = None,
+    timeout_s: int = 1800,
+) -> DistEnv:
+    """Start the process group, megatron's model-parallel groups and seed every generator."""
+    env = env or env_from_os()
+    if env.world_size % (tp * pp):
+        raise ValueError(
+            f"parallel.tp x parallel.pp = {tp * pp}: does not divide WORLD_SIZE={env.world_size}"
+        )
+    torch.set_num_threads(threads)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(env.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo",
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    from stages.engine import cpu_compat
+
+    cpu_compat.install()
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        )
+    set_seed(seed)
+    return env
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy, torch and megatron's model-parallel RNG tracker (offset per pipeline stage)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    """Destroy megatron's groups and the process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- layout queries
+
+
+def _ps() -> Any:
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_rank0() -> bool:
+    return rank() == 0
+
+
+def dp_rank() -> int:
+    return int(_ps().get_data_parallel_rank())
+
+
+def dp_size() -> int:
+    return int(_ps().get_data_parallel_world_size())
+
+
+def tp_rank() -> int:
+    return int(_ps().get_tensor_model_parallel_rank())
+
+
+def pp_rank() -> int:
+    return int(_ps().get_pipeline_model_parallel_rank())
+
+
+def pp_size() -> int:
+    return int(_ps().get_pipeline_model_parallel_world_size())
+
+
+def is_first_stage(vp_stage: int | None = None) -> bool:
+    return bool(_ps().is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage))
+
+
+def is_last_stage(vp_stage: int | None = None) -> bool:
+    return bool(_ps().is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage))
+
+
+def owns_loss() -> bool:
+    """True on the ranks whose losses count once: the last pipeline stage, tensor-parallel rank 0."""
+    return is_last_stage() and tp_rank() == 0
+
+
+# ---------------------------------------------------------------------------- collectives
+
+
+def all_reduce_sum(values: Sequence[float] | np.ndarray | torch.Tensor) -> np.ndarray:
+    """Sum float64 values over all ranks (every rank gets the result)."""
+    t = torch.as_tensor(np.asarray(values, dtype=np.float64)).to(device())
+    if world_size() > 1:
+        dist.all_reduce(t)
+    return t.cpu().numpy()
+
+
+def reduce_metrics(sums: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+    """Global ratio sum/count of each metric; only loss-owning ranks contribute (the rest pass anything)."""
+    names = sorted(sums)
+    own = owns_loss()
+    flat = [x for n in names for x in (sums[n] if own else (0.0, 0.0))]
+    total = all_reduce_sum(flat).reshape(-1, 2) if names else np.zeros((0, 2))
+    return {n: float(s / c) if c else float("nan") for n, (s, c) in zip(names, total)}
+
+
+def all_reduce_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device())
+    if world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any rank (stop requests agree, so all ranks stop together)."""
+    return all_reduce_max(1.0 if flag else 0.0) > 0
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()

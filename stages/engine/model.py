@@ -1,0 +1,145 @@
+"""The model: megatron-core GPTModel with the local layer spec, wrapped for mixed precision and DDP.
+
+``build_model`` returns the list of model chunks (one per virtual pipeline stage on this rank), each wrapped
+in megatron's DistributedDataParallel, with ``config.finalize_model_grads_func`` set (without it the
+data-parallel gradients are never reduced). Call it after ``stages.engine.distributed.init``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.config import ModelConfig, ParallelConfig
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of ``divisible_by x tp`` (megatron's embedding padding)."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config(model: ModelConfig, par: ParallelConfig) -> Any:
+    """megatron TransformerConfig from the schema (fp32/bf16/fp16, recompute, GQA, swiglu, norms)."""
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = _DTYPES[par.precision]
+    recompute: dict[str, Any] = {}
+    if par.recompute == "full":
+        recompute = {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    elif par.recompute == "selective":
+        recompute = {"recompute_granularity": "selective"}
+    swiglu = model.activation == "swiglu"
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        kv_channels=model.kv_channels,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=model.add_bias_linear,
+        init_method_std=model.init_method_std,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp if par.vpp and par.vpp > 1 else None,
+        sequence_parallel=par.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=par.precision == "bf16",
+        fp16=par.precision == "fp16",
+        calculate_per_token_loss=True,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        batch_p2p_comm=torch.cuda.is_available(),  # gloo: the interleaved schedule learns only without it
+        **recompute,
+    )
+
+
+def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None) -> Any:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization=model.normalization)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=model.max_position_embeddings or model.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type=model.position_embedding,
+        rotary_base=model.rotary_base,
+        rope_scaling=model.rotary_scaling,
+        vp_stage=vp_stage,
+    )
+
+
+def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> list[Any]:
+    """This rank's model chunks (len = vpp or 1), in DDP, ready for get_megatron_optimizer.
+
+    ``vocab_size`` is the tokenizer's (or model.vocab_size); it is padded here.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.transformer.module import Float16Module
+
+    config = transformer_config(model, par)
+    vocab = padded_vocab_size(model.vocab_size or vocab_size, model.make_vocab_size_divisible_by, par.tp)
+    chunks = par.vpp if par.vpp and par.vpp > 1 else 1
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=par.precision != "fp32",
+        overlap_grad_reduce=par.overlap_grad_reduce,
+        use_distributed_optimizer=par.distributed_optimizer,
+    )
+    wrapped = []
+    for i in range(chunks):
+        module = _gpt(model, config, vocab, i if chunks > 1 else None)
+        if torch.cuda.is_available():
+            module.cuda(torch.cuda.current_device())
+        if par.precision != "fp32":
+            module = Float16Module(config, module)
+        ddp = DistributedDataParallel(config, ddp_config, module, disable_bucketing=i > 0)
+        ddp.broadcast_params()
+        wrapped.append(ddp)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [m.no_sync for m in wrapped] if chunks > 1 else wrapped[0].no_sync
+    if par.overlap_grad_reduce:
+        config.grad_sync_func = (
+            [m.start_grad_sync for m in wrapped] if chunks > 1 else wrapped[0].start_grad_sync
+        )
+    return wrapped
+
+
+def unwrap(chunk: Any) -> Any:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def model_config(chunks: list[Any]) -> Any:
+    """The TransformerConfig shared by the chunks."""
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(chunks[0])
+
+
+def num_parameters(chunks: list[Any]) -> int:
+    """Parameters held by this rank."""
+    return sum(p.numel() for c in chunks for p in c.parameters())

@@ -1,0 +1,95 @@
+"""What every training stage does around the loop: layout, model, optimizer, init_from, resume, shutdown.
+
+``train_stage(cfg, ctx, step=..., sources=...)`` is the body of stages/pretrain.py, sft.py and rlhf.py;
+``sources(tokenizer, stage, seq_length, chunks, checkpointer)`` returns ``(train_source, valid_source)``
+after distributed init and model build (DPO uses the model to precompute reference log-probs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import PipelineConfig, TrainStage
+from stages.context import MetricsWriter, StageContext
+
+UPSTREAM = {"pretrain": None, "sft": "pretrain", "rlhf": "sft"}
+"""The stage whose final checkpoint ``init_from: auto`` loads."""
+
+Sources = Callable[..., tuple[Any, Any]]
+
+
+def resolve_init_from(cfg: PipelineConfig, ctx: StageContext) -> Path | None:
+    """``<stage>.init_from``: auto = the upstream stage's checkpoints/, a path, or None (random init)."""
+    value = _stage_cfg(cfg, ctx.stage).init_from
+    key = f"{ctx.stage}.init_from"
+    if value is None or value in ("", "none", "null"):
+        return None
+    if value == "auto":
+        up = UPSTREAM[ctx.stage]
+        if up is None:
+            return None
+        if up not in ctx.inputs:
+            raise ValueError(f"{key}=auto: upstream stage {up!r} has no output directory in this run")
+        return ctx.inputs[up] / "checkpoints"
+    path = Path(value)
+    if not path.exists():
+        raise ValueError(f"{key}={value!r}: no such checkpoint directory")
+    return path
+
+
+def _stage_cfg(cfg: PipelineConfig, name: str) -> TrainStage:
+    st = cfg.stage(name)
+    if not isinstance(st, TrainStage):
+        raise ValueError(f"run.stages={name!r}: not a training stage")
+    return st
+
+
+def data_dir(ctx: StageContext) -> Path:
+    if "data_prep" not in ctx.inputs:
+        raise ValueError(f"{ctx.stage}: needs the data_prep stage's outputs (ctx.inputs['data_prep'])")
+    return ctx.inputs["data_prep"]
+
+
+def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: Sources) -> dict[str, Any]:
+    """Run one training stage on this rank; returns rank-0 outputs (checkpoint, final_loss, steps, ...)."""
+    from stages.engine import distributed as D
+    from stages.engine.checkpoint import find_latest
+    from stages.engine.data import load_tokenizer
+    from stages.engine.model import build_model, num_parameters
+    from stages.engine.trainer import Checkpointer, Trainer, build_optimizer
+
+    st = _stage_cfg(cfg, ctx.stage)
+    par = st.parallel
+    plan = ctx.plan
+    D.init(par.tp, par.pp, plan.vpp if plan else par.vpp, seed=st.seed, threads=st.threads)
+    try:
+        tokenizer = load_tokenizer(data_dir(ctx) / "tokenizer.json")
+        chunks = build_model(cfg.model, par, tokenizer.vocab_size)
+        optimizer, scheduler = build_optimizer(chunks, st, par)
+        ckpt = Checkpointer(ctx.checkpoint_dir, st.save_interval, resolve_init_from(cfg, ctx), st.keep_last)
+        train_source, valid_source = sources(tokenizer, st, cfg.model.seq_length, chunks, ckpt)
+        trainer = Trainer(
+            chunks,
+            optimizer,
+            scheduler,
+            step,
+            stage=st,
+            seq_length=cfg.model.seq_length,
+            train_source=train_source,
+            valid_source=valid_source,
+            metrics=MetricsWriter(ctx.metrics_path, enabled=D.is_rank0()),
+            checkpointer=ckpt,
+        )
+        trainer.restore(init_weights=not ckpt.init_weights_loaded)
+        summary = trainer.fit()
+        latest = summary["checkpoint"] or find_latest(ctx.checkpoint_dir)
+        return {
+            **summary,
+            "checkpoint": str(latest) if latest else None,
+            "params_per_rank": num_parameters(chunks),
+            "init_from": str(ckpt.init_from) if ckpt.init_from else None,
+        }
+    finally:
+        D.shutdown()

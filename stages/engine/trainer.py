@@ -1,0 +1,395 @@
+"""The one training loop, shared by pretrain, SFT and DPO; the step (stages.engine.steps) is pluggable.
+
+Per step: every data-parallel rank takes its slice of the global batch (the global sample index,
+docs/ARCHITECTURE.md), megatron's ``get_forward_backward_func()`` runs the micro batches (no pipelining,
+1F1B or interleaved), the megatron optimizer steps, the LR scheduler advances. Rank 0 writes the metrics
+lines of docs/ARCHITECTURE.md. ``Checkpointer`` adapts stages.engine.checkpoint (resume, init_from, save
+every ``save_interval`` and at the end). Set ``trainer.stop_requested = True`` to stop at the next step
+boundary (with a checkpoint).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from pipeline.config import ParallelConfig, TrainStage
+from stages.context import MetricsWriter
+from stages.engine import distributed as D
+from stages.engine.data import collate, sample_range
+from stages.engine.steps import Batch, ReferenceLogpStep
+
+
+class SampleSource(Protocol):
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]: ...
+
+
+# ---------------------------------------------------------------------------- optimizer and schedule
+
+
+def build_optimizer(chunks: list[Any], stage: TrainStage, par: ParallelConfig) -> tuple[Any, Any]:
+    """megatron AdamW (+ loss scaling for fp16) and a linear-warmup, cosine-to-min_lr schedule (units: steps)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=stage.lr,
+        min_lr=stage.min_lr,
+        weight_decay=stage.weight_decay,
+        adam_beta1=stage.adam_beta1,
+        adam_beta2=stage.adam_beta2,
+        clip_grad=stage.clip_grad,
+        bf16=par.precision == "bf16",
+        fp16=par.precision == "fp16",
+        params_dtype=torch.float32,
+        use_distributed_optimizer=par.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, chunks)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=stage.lr,
+        min_lr=stage.min_lr,
+        lr_warmup_steps=stage.warmup_iters,
+        lr_decay_steps=stage.iters,
+        lr_decay_style="cosine",
+        start_wd=stage.weight_decay,
+        end_wd=stage.weight_decay,
+        wd_incr_steps=stage.iters,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def micro_batches(source: SampleSource, step: int, global_batch: int, micro_batch: int) -> list[Batch]:
+    """This data-parallel rank's micro batches at ``step`` (global sample index), as CPU tensors."""
+    idx = sample_range(step, global_batch, D.dp_rank(), D.dp_size())
+    out = []
+    for start in range(idx.start, idx.stop, micro_batch):
+        batch = collate([source[i] for i in range(start, min(start + micro_batch, idx.stop))])
+        out.append({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()})
+    return out
+
+
+def _iterators(batches: list[Batch], chunks: int) -> Iterator[Batch] | list[Iterator[Batch]]:
+    """One iterator, or one per virtual pipeline chunk (each chunk walks all micro batches)."""
+    return iter(batches) if chunks == 1 else [iter(batches) for _ in range(chunks)]
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+class Checkpointer:
+    """Resume / init_from / periodic saves through stages.engine.checkpoint (save, find_latest, load, load_weights)."""
+
+    def __init__(
+        self, root: Path, save_interval: int, init_from: Path | None = None, keep_last: int = 2
+    ) -> None:
+        self.root = Path(root)
+        self.save_interval = save_interval
+        self.keep_last = keep_last
+        self.init_from = Path(init_from) if init_from else None
+        self.last_saved: Path | None = None
+        self.init_weights_loaded = False
+        """Set when the caller already loaded init_from (rlhf does, for the reference pass)."""
+
+    def restore(
+        self, chunks: list[Any], optimizer: Any, scheduler: Any, init_weights: bool = True
+    ) -> dict[str, Any] | None:
+        """Resume from the newest good checkpoint under root (full state, returned); else load init_from weights."""
+        from stages.engine import checkpoint
+
+        latest = checkpoint.find_latest(self.root)
+        if latest is not None:
+            return dict(
+                checkpoint.load(latest, model_chunks=chunks, optimizer=optimizer, scheduler=scheduler)
+            )
+        if init_weights:
+            self.load_init_weights(chunks)
+        return None
+
+    def load_init_weights(self, chunks: list[Any]) -> Path | None:
+        """Load the weights of init_from (a checkpoint directory, or a root holding them); None if unset."""
+        from stages.engine import checkpoint
+
+        if self.init_from is None:
+            return None
+        path = (
+            self.init_from
+            if (self.init_from / checkpoint.MARKER).is_file()
+            else checkpoint.find_latest(self.init_from)
+        )
+        if path is None:
+            raise ValueError(f"init_from={self.init_from}: no complete checkpoint there")
+        checkpoint.load_weights(path, chunks)
+        return path
+
+    def maybe_save(
+        self,
+        step: int,
+        final: bool,
+        force: bool,
+        chunks: list[Any],
+        optimizer: Any,
+        scheduler: Any,
+        state: dict,
+    ) -> None:
+        """Save at every ``save_interval``, at the final step, and when ``force`` (a stop request)."""
+        if final or force or step % self.save_interval == 0:
+            self.save(step, chunks, optimizer, scheduler, state, final=final)
+
+    def save(
+        self, step: int, chunks: list[Any], optimizer: Any, scheduler: Any, state: dict, final: bool = False
+    ) -> Path:
+        from stages.engine import checkpoint
+
+        self.last_saved = checkpoint.save(
+            self.root,
+            step,
+            model_chunks=chunks,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            state=state,
+            keep_last=self.keep_last,
+            final=final,
+        )
+        return self.last_saved
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+class Trainer:
+    """Runs ``stage.iters`` optimizer steps of ``step`` over ``train_source``."""
+
+    def __init__(
+        self,
+        chunks: list[Any],
+        optimizer: Any,
+        scheduler: Any,
+        step: Any,
+        *,
+        stage: TrainStage,
+        seq_length: int,
+        train_source: SampleSource,
+        valid_source: SampleSource | None = None,
+        metrics: MetricsWriter | None = None,
+        checkpointer: Checkpointer | None = None,
+    ) -> None:
+        par = stage.parallel
+        if par.global_batch_size % (par.micro_batch_size * D.dp_size()):
+            raise ValueError(
+                f"parallel.global_batch_size={par.global_batch_size}: must be divisible by "
+                f"micro_batch_size x dp = {par.micro_batch_size} x {D.dp_size()}"
+            )
+        self.chunks, self.optimizer, self.scheduler, self.step = chunks, optimizer, scheduler, step
+        self.stage, self.seq_length = stage, seq_length
+        self.train_source, self.valid_source = train_source, valid_source
+        self.metrics = metrics or MetricsWriter(Path("/dev/null"), enabled=False)
+        self.checkpointer = checkpointer
+        self.iteration = 0
+        self.stop_requested = False
+        self.history: list[dict[str, float]] = []
+
+    @property
+    def global_batch(self) -> int:
+        return self.stage.parallel.global_batch_size
+
+    def _forward_backward(self, batches: list[Batch], forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        chunks = self.chunks
+        return get_forward_backward_func()(  # type: ignore[no-any-return]
+            forward_step_func=self.step,
+            data_iterator=_iterators(batches, len(chunks)),
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(batches),
+            seq_length=self.seq_length,
+            micro_batch_size=self.stage.parallel.micro_batch_size * self.step.sequences_per_sample,
+            forward_only=forward_only,
+        )
+
+    @staticmethod
+    def _sums(outputs: Sequence[dict[str, torch.Tensor]]) -> dict[str, tuple[float, float]]:
+        sums: dict[str, list[float]] = {}
+        for out in outputs:
+            for k, v in out.items():
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += float(v[0])
+                acc[1] += float(v[1])
+        return {k: (s, c) for k, (s, c) in sums.items()}
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One optimizer step at global step ``step``; returns globally reduced metrics."""
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        par = self.stage.parallel
+        batches = micro_batches(self.train_source, step, par.global_batch_size, par.micro_batch_size)
+        outputs = self._forward_backward(batches, forward_only=False)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        sums = self._sums(outputs)
+        out = D.reduce_metrics({n: sums.get(n, (0.0, 0.0)) for n in self.step.metric_names})
+        out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        out["lr"] = lr
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float] | None:
+        """Validation loss and perplexity over ``eval_iters`` global batches of the valid source."""
+        if self.valid_source is None:
+            return None
+        for chunk in self.chunks:
+            chunk.eval()
+        par = self.stage.parallel
+        sums: dict[str, list[float]] = {}
+        for i in range(self.stage.eval_iters):
+            batches = micro_batches(self.valid_source, i, par.global_batch_size, par.micro_batch_size)
+            for k, (s, c) in self._sums(self._forward_backward(batches, forward_only=True)).items():
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += s
+                acc[1] += c
+        for chunk in self.chunks:
+            chunk.train()
+        out = D.reduce_metrics(
+            {n: (sums[n][0], sums[n][1]) if n in sums else (0.0, 0.0) for n in self.step.metric_names}
+        )
+        out["ppl"] = math.exp(min(out["loss"], 50.0))
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """The trainer's resumable values (plain, equal on every rank; checkpoint.save adds RNG states)."""
+        return {"iteration": self.iteration, "consumed_samples": self.iteration * self.global_batch}
+
+    def restore(self, init_weights: bool = True) -> None:
+        """Resume (model, optimizer, scheduler, RNG, iteration) or load init_from weights via the checkpointer."""
+        if self.checkpointer is None:
+            return
+        state = self.checkpointer.restore(self.chunks, self.optimizer, self.scheduler, init_weights)
+        if state is not None:
+            self.iteration = int(state["iteration"])
+
+    def _stop(self) -> bool:
+        return D.any_rank(self.stop_requested)
+
+    def fit(self) -> dict[str, Any]:
+        """Train from ``self.iteration`` to ``stage.iters``; returns a summary (steps, final_loss, valid)."""
+        st = self.stage
+        start, t0 = self.iteration, time.time()
+        tokens_per_step = self.global_batch * self.seq_length * self.step.sequences_per_sample
+        last: dict[str, float] = {}
+        stop = False
+        while self.iteration < st.iters and not stop:
+            t_step = time.time()
+            last = self.train_step(self.iteration)
+            self.iteration += 1
+            self.history.append(last)
+            s, dt = self.iteration, time.time() - t_step
+            if s % st.log_interval == 0 or s == st.iters or s == start + 1:
+                elapsed = time.time() - t0
+                self.metrics.write(
+                    {
+                        "kind": "train",
+                        "step": s,
+                        "iters": st.iters,
+                        **last,
+                        "tokens_per_s": tokens_per_step / dt,
+                        "elapsed_s": elapsed,
+                        "eta_s": elapsed / (s - start) * (st.iters - s),
+                    }
+                )
+            if st.eval_interval and s % st.eval_interval == 0 and s < st.iters:
+                self._write_valid(s)
+            stop = self._stop()
+            if self.checkpointer is not None:
+                self.checkpointer.maybe_save(
+                    s, s == st.iters, stop, self.chunks, self.optimizer, self.scheduler, self.state()
+                )
+        valid = (
+            self._write_valid(self.iteration)
+            if self.iteration == st.iters and self.iteration > start
+            else None
+        )
+        saved = self.checkpointer.last_saved if self.checkpointer else None
+        return {
+            "steps": self.iteration,
+            "final_loss": last.get("loss"),
+            "valid": valid,
+            "stopped": self.iteration < st.iters,
+            "checkpoint": str(saved) if saved else None,
+        }
+
+    def _write_valid(self, step: int) -> dict[str, float] | None:
+        out = self.evaluate()
+        if out is not None:
+            self.metrics.write({"kind": "valid", "step": step, **out})
+        return out
+
+
+# ---------------------------------------------------------------------------- DPO reference log-probs
+
+
+@torch.no_grad()
+def reference_logps(
+    chunks: list[Any],
+    source: SampleSource,
+    *,
+    first_step: int,
+    steps: int,
+    stage: TrainStage,
+    seq_length: int,
+) -> np.ndarray:
+    """Log-probs [n, 2] (chosen, rejected) of the current model for global samples [first_step*G, steps*G).
+
+    Run before DPO training, while the policy still equals the frozen reference; every rank gets the array.
+    """
+    trainer = Trainer(
+        chunks, None, None, ReferenceLogpStep(), stage=stage, seq_length=seq_length, train_source=source
+    )
+    G, mbs = stage.parallel.global_batch_size, stage.parallel.micro_batch_size
+    base = first_step * G
+    out = np.zeros((max(steps - first_step, 0) * G, 2), dtype=np.float64)
+    for chunk in chunks:
+        chunk.eval()
+    for s in range(first_step, steps):
+        outputs = trainer._forward_backward(micro_batches(source, s, G, mbs), forward_only=True)
+        if D.owns_loss():
+            idx = sample_range(s, G, D.dp_rank(), D.dp_size())
+            out[idx.start - base : idx.stop - base] = torch.cat([o["logps"] for o in outputs]).cpu().numpy()
+    for chunk in chunks:
+        chunk.train()
+    return D.all_reduce_sum(out.reshape(-1)).reshape(-1, 2)
+
+
+class WithReference:
+    """A preference source with ``ref_logp`` added from precomputed log-probs of samples [offset, offset+n)."""
+
+    def __init__(self, source: SampleSource, ref_logp: np.ndarray, offset: int) -> None:
+        self.source, self.ref_logp, self.offset = source, ref_logp, offset
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        j = i - self.offset
+        if not 0 <= j < len(self.ref_logp):
+            raise IndexError(
+                f"sample {i}: no reference log-probs (have [{self.offset}, {self.offset + len(self.ref_logp)}))"
+            )
+        return {**self.source[i], "ref_logp": self.ref_logp[j].astype(np.float32)}

@@ -1,0 +1,23 @@
+"""Pretraining: next-token loss on the indexed text datasets written by data_prep."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.config import PipelineConfig, TrainStage
+from stages.context import StageContext
+
+
+def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
+    from stages.engine.run import data_dir, train_stage
+    from stages.engine.steps import make_step
+
+    def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
+        from stages.engine.data import pretrain_source, valid_source
+
+        d = data_dir(ctx)
+        samples = st.iters * st.parallel.global_batch_size
+        train = pretrain_source(d / "text_train", tokenizer, seq_length, samples, st.seed)
+        return train, valid_source(d / "text_valid", tokenizer, seq_length, st.seed)
+
+    return train_stage(cfg, ctx, step=make_step("pretrain"), sources=sources)

@@ -1,0 +1,22 @@
+"""Supervised fine-tuning: loss on response tokens of the templated (prompt, response) examples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.config import PipelineConfig, TrainStage
+from stages.context import StageContext
+
+
+def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
+    from stages.engine.run import data_dir, train_stage
+    from stages.engine.steps import make_step
+
+    def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
+        from stages.engine.data import sft_source, valid_source
+
+        d = data_dir(ctx)
+        train = sft_source(d / "sft_train.jsonl", tokenizer, seq_length, st.seed)
+        return train, valid_source(d / "text_valid", tokenizer, seq_length, st.seed)  # watch forgetting
+
+    return train_stage(cfg, ctx, step=make_step("sft"), sources=sources)

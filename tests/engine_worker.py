@@ -1,0 +1,150 @@
+"""Subprocess worker for the engine tests: one rank of a tiny training run, results as JSON.
+
+Run as ``python tests/engine_worker.py SPEC.json`` with RANK/WORLD_SIZE/... set (``launch`` does it).
+Each run is a fresh process, so torch patches and megatron globals never leak between tests.
+
+SPEC keys: model, parallel, stage (overrides of ModelConfig / ParallelConfig / TrainStage), step
+(pretrain | sft | dpo), samples (source size; = global batch for a repeated batch), vocab, save_weights /
+load_weights (a dist_checkpointing directory for the model weights only), metrics (a metrics.jsonl
+path), out (result file of rank 0; set by launch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch(world: int, spec: dict[str, Any], tmp: Path, timeout_s: float = 600) -> dict[str, Any]:
+    """Run ``world`` ranks of the worker and return rank 0's result (raises with the logs on failure)."""
+    sys.path.insert(0, str(ROOT))
+    from stages.engine.distributed import free_port
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "out": str(tmp / "result.json")}
+    spec_path = tmp / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+        }
+        log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115
+        logs.append(log)
+        cmd = [sys.executable, str(Path(__file__).resolve()), str(spec_path)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+    finally:
+        for log in logs:
+            log.close()
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        tails = "\n".join(
+            f"--- rank {r} (rc={c})\n" + (tmp / f"rank{r}.log").read_text()[-3000:]
+            for r, c in enumerate(codes)
+        )
+        raise RuntimeError(f"worker failed: {codes}\n{tails}")
+    return json.loads((tmp / "result.json").read_text())
+
+
+def _weights(chunks: list[Any], path: str, save: bool) -> None:
+    from megatron.core import dist_checkpointing
+
+    from stages.engine.model import unwrap
+
+    model = unwrap(chunks[0])
+    if save:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(model.sharded_state_dict(), path)
+    else:
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), path))
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    from pipeline.config import ModelConfig, ParallelConfig, TrainStage
+    from stages.context import MetricsWriter
+    from stages.engine import distributed as D
+    from stages.engine.model import build_model, num_parameters
+    from stages.engine.steps import make_step
+    from stages.engine.synthetic import SyntheticPreferenceSource, SyntheticSource
+    from stages.engine.trainer import Trainer, WithReference, build_optimizer, reference_logps
+
+    model_cfg = ModelConfig(**spec.get("model", {}))
+    par = ParallelConfig(**spec.get("parallel", {}))
+    stage = TrainStage(
+        parallel=par, **{"log_interval": 1, "warmup_iters": 0, "threads": 1, **spec.get("stage", {})}
+    )
+    D.init(par.tp, par.pp, par.vpp, seed=stage.seed, threads=stage.threads)
+    try:
+        vocab = spec.get("vocab", 256)
+        chunks = build_model(model_cfg, par, vocab)
+        if spec.get("load_weights"):
+            _weights(chunks, spec["load_weights"], save=False)
+        if spec.get("save_weights"):
+            _weights(chunks, spec["save_weights"], save=True)
+        optimizer, scheduler = build_optimizer(chunks, stage, par)
+        name = spec.get("step", "pretrain")
+        n = spec.get("samples", 64)
+        seq = model_cfg.seq_length
+        if name == "dpo":
+            prefs = SyntheticPreferenceSource(n, vocab, seq, seed=1)
+            ref = reference_logps(chunks, prefs, first_step=0, steps=stage.iters, stage=stage, seq_length=seq)
+            source: Any = WithReference(prefs, ref, 0)
+            step = make_step("dpo", beta=stage.beta)
+        else:
+            source = SyntheticSource(n, vocab, seq, seed=1)
+            step = make_step(name)
+        valid = SyntheticSource(32, vocab, seq, seed=2) if name != "dpo" else None
+        metrics = MetricsWriter(Path(spec["metrics"]), enabled=D.is_rank0()) if spec.get("metrics") else None
+        trainer = Trainer(
+            chunks,
+            optimizer,
+            scheduler,
+            step,
+            stage=stage,
+            seq_length=seq,
+            train_source=source,
+            valid_source=valid,
+            metrics=metrics,
+        )
+        t0 = time.time()
+        summary = trainer.fit()
+        wall = time.time() - t0
+        return {
+            "summary": summary,
+            "history": trainer.history,
+            "wall_s": wall,
+            "params_rank0": num_parameters(chunks),
+            "tokens_per_step": par.global_batch_size * seq * step.sequences_per_sample,
+        }
+    finally:
+        D.shutdown()
+
+
+if __name__ == "__main__":
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    result = run(spec)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(spec["out"]).write_text(json.dumps(result, default=float))

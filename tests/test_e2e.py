@@ -1,0 +1,62 @@
+"""End to end through the real command line: ``python -m pipeline`` with the local executor (separate processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import STAGES
+from pipeline.ledger import Ledger
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_pipeline(*overrides: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_dir_of(stdout: str) -> Path:
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("run directory:"))
+    return Path(line.split(":", 1)[1].strip())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_tiny_pipeline_through_local_executor_then_rerun_skips(tmp_path: Path) -> None:
+    r = run_pipeline("experiment=tiny", f"run.root={tmp_path}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_dir = run_dir_of(r.stdout)
+    ledger = Ledger(run_dir)
+    for s in STAGES:
+        rec = ledger.read(s)
+        assert rec and rec.status == "completed", (s, rec)
+    assert "[pretrain] step" in r.stdout and "tok/s" in r.stdout
+    results = json.loads((run_dir / "stages" / "eval" / "results.json").read_text())
+    assert set(results["models"]) == {"pretrain", "sft", "rlhf"}
+    for f in ("config.yaml", "git.json", "packages.json"):
+        assert (run_dir / "provenance" / f).exists()
+
+    t0 = time.time()
+    again = run_pipeline("experiment=tiny", f"run.root={tmp_path}", timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("skipped") == len(STAGES)
+    assert time.time() - t0 < 60
+    assert run_dir_of(again.stdout) == run_dir
+
+
+def test_config_error_exits_2_and_writes_nothing(tmp_path: Path) -> None:
+    r = run_pipeline("pretrain.parallel.tp=3", f"run.root={tmp_path}", timeout=120)
+    assert r.returncode == 2
+    assert "config error: pretrain.parallel.tp=3" in r.stderr
+    assert not any(tmp_path.iterdir())
