@@ -324,6 +324,8 @@ class TrainStage:
     """Steps between checkpoints (the final step is always saved)."""
     keep_last: int = 2
     """Checkpoints kept besides the final one."""
+    hang_timeout_s: int = 900
+    """Watchdog: a rank without progress this long dumps its stacks and exits (code 86); 0 = off."""
     beta: float = 0.1
     """DPO: strength of the KL anchor to the reference model (rlhf only)."""
     algorithm: str = "dpo"
@@ -336,6 +338,7 @@ class TrainStage:
         _positive("eval_interval", self.eval_interval, allow_zero=True)
         _positive("save_interval", self.save_interval)
         _positive("keep_last", self.keep_last)
+        _positive("hang_timeout_s", self.hang_timeout_s, allow_zero=True)
         _positive("warmup_iters", self.warmup_iters, allow_zero=True)
         if self.warmup_iters > self.iters:
             _fail("warmup_iters", self.warmup_iters, f"must be <= iters={self.iters}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import PipelineConfig, from_dict
-from pipeline.ledger import COMPLETED, FAILED, REQUEUED, RUNNING, STOPPED, Ledger
+from pipeline.ledger import CANCELLED, COMPLETED, FAILED, REQUEUED, RUNNING, STOPPED, Ledger
 from pipeline.plan import ParallelPlan, stage_plan
 
 CODE_DIRS = ("pipeline", "stages", "conf")
@@ -66,7 +66,7 @@ def slurm_parameters(
     setup = list(c.setup)
     env = dict(c.env)
     if code_dir is not None:
-        setup.append(f"export PYTHONPATH={shlex.quote(str(code_dir))}${{PYTHONPATH:+:$PYTHONPATH}}")
+        setup += _code_setup(code_dir)
     setup += [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(env.items())]
     params: dict[str, Any] = {
         "job_name": f"{cfg.run.name}-{stage}",
@@ -76,7 +76,8 @@ def slurm_parameters(
         "time": st.time_min or c.time_min,
         "signal_delay_s": c.signal_delay_s,
         "setup": setup,
-        "additional_parameters": {"requeue": True},
+        # a stage whose upstream failed is cancelled at once instead of pending forever (22.05's default)
+        "additional_parameters": {"requeue": True, "kill_on_invalid_dep": "yes"},
     }
     if plan.gpus_per_node:
         params["gpus_per_node"] = plan.gpus_per_node
@@ -90,6 +91,15 @@ def slurm_parameters(
     if c.container_image:
         params["srun_args"] = [f"--container-image={c.container_image}", "--container-mounts=/:/"]
     return params
+
+
+def _code_setup(code_dir: Path) -> list[str]:
+    """Shell lines making the job import the snapshot: first on PYTHONPATH, and the job's working directory
+    (the submitter's, where a checkout may sit) kept off sys.path (``python -m`` would put it first)."""
+    return [
+        f"export PYTHONPATH={shlex.quote(str(code_dir))}${{PYTHONPATH:+:$PYTHONPATH}}",
+        "export PYTHONSAFEPATH=1",
+    ]
 
 
 def make_executor(cfg: PipelineConfig, stage: str, run_dir: Path, code_dir: Path | None = None) -> Any:
@@ -158,18 +168,7 @@ def run_stage(
     )
     ledger = Ledger(Path(run_dir))
     if rank == 0:
-        rec = ledger.read(stage)
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-        ledger.update(
-            stage,
-            status=RUNNING,
-            started_at=time.time(),
-            attempts=(rec.attempts if rec else 0) + 1,
-            requeues=restarts,
-            host=socket.gethostname(),
-            error=None,
-        )
-        ledger.event("started", stage, job_id=job_id, world_size=world)
+        _mark_started(ledger, stage, job_id, world)
     try:
         out = _call_stage(stage, cfg, Path(run_dir))
     except BaseException as e:
@@ -182,11 +181,31 @@ def run_stage(
     return out
 
 
+def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> None:
+    """Rank 0: the ledger says running; the event names the code this job imports (the run's snapshot)."""
+    rec = ledger.read(stage)
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    ledger.update(
+        stage,
+        status=RUNNING,
+        started_at=time.time(),
+        attempts=(rec.attempts if rec else 0) + 1,
+        requeues=restarts,
+        host=socket.gethostname(),
+        error=None,
+    )
+    ledger.event("started", stage, job_id=job_id, world_size=world, restarts=restarts, code=str(REPO_ROOT))
+
+
 def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseException) -> None:
     """Ledger entry for a stage that did not complete: stopped on a signal, requeued, or failed."""
     from stages.engine.signals import Preempted, requeue_self, restart_count
 
     err = f"{type(e).__name__}: {e}"
+    rec = ledger.read(stage)
+    if rec and rec.status == CANCELLED:  # python -m pipeline.cancel: stopping is expected, never requeue
+        ledger.event("stopped", stage, error=err, reason="cancelled")
+        return
     if isinstance(e, Preempted):
         requeued = requeue_self(f"stopped by signal {e}")
         ledger.update(stage, status=REQUEUED if requeued else STOPPED, ended_at=time.time(), error=err)

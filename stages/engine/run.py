@@ -57,12 +57,16 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
     from stages.engine import distributed as D
     from stages.engine.checkpoint import find_latest
     from stages.engine.data import load_tokenizer
+    from stages.engine.faults import FaultInjector
     from stages.engine.model import build_model, num_parameters
+    from stages.engine.signals import StopFlag, Watchdog
     from stages.engine.trainer import Checkpointer, Trainer, build_optimizer
 
     st = _stage_cfg(cfg, ctx.stage)
     par = st.parallel
     plan = ctx.plan
+    stop_flag = StopFlag().install()  # before init: a signal during start-up is not lost
+    watchdog = Watchdog(st.hang_timeout_s, max_requeues=cfg.cluster.max_requeues).start()
     D.init(par.tp, par.pp, plan.vpp if plan else par.vpp, seed=st.seed, threads=st.threads)
     try:
         tokenizer = load_tokenizer(data_dir(ctx) / "tokenizer.json")
@@ -81,6 +85,9 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
             valid_source=valid_source,
             metrics=MetricsWriter(ctx.metrics_path, enabled=D.is_rank0()),
             checkpointer=ckpt,
+            faults=FaultInjector(ctx.out_dir, D.rank()),
+            stop_flag=stop_flag,
+            watchdog=watchdog,
         )
         trainer.restore(init_weights=not ckpt.init_weights_loaded)
         summary = trainer.fit()
@@ -92,4 +99,6 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
             "init_from": str(ckpt.init_from) if ckpt.init_from else None,
         }
     finally:
+        watchdog.stop()
+        stop_flag.uninstall()
         D.shutdown()

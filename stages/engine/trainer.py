@@ -23,6 +23,8 @@ from pipeline.config import ParallelConfig, TrainStage
 from stages.context import MetricsWriter
 from stages.engine import distributed as D
 from stages.engine.data import collate, sample_range
+from stages.engine.faults import FaultInjector
+from stages.engine.signals import Preempted, StopFlag, Watchdog
 from stages.engine.steps import Batch, ReferenceLogpStep
 
 
@@ -187,6 +189,9 @@ class Trainer:
         valid_source: SampleSource | None = None,
         metrics: MetricsWriter | None = None,
         checkpointer: Checkpointer | None = None,
+        faults: FaultInjector | None = None,
+        stop_flag: StopFlag | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         par = stage.parallel
         if par.global_batch_size % (par.micro_batch_size * D.dp_size()):
@@ -199,7 +204,13 @@ class Trainer:
         self.train_source, self.valid_source = train_source, valid_source
         self.metrics = metrics or MetricsWriter(Path("/dev/null"), enabled=False)
         self.checkpointer = checkpointer
+        self.faults, self.stop_flag, self.watchdog = faults, stop_flag, watchdog
         self.iteration = 0
+        self._start, self._t0, self._window = (
+            0,
+            0.0,
+            [0, 0.0],
+        )  # set by fit(): first step, start time, log window
         self.stop_requested = False
         self.history: list[dict[str, float]] = []
 
@@ -286,44 +297,47 @@ class Trainer:
             self.iteration = int(state["iteration"])
 
     def _stop(self) -> bool:
-        return D.any_rank(self.stop_requested)
+        """Agreed over all ranks every step, so all stop (and save) at the same step."""
+        local = self.stop_requested or (self.stop_flag is not None and self.stop_flag.requested)
+        return D.any_rank(local)
+
+    def _beat(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat()
 
     def fit(self) -> dict[str, Any]:
         """Train from ``self.iteration`` to ``stage.iters``; returns a summary (steps, final_loss, valid)."""
         st = self.stage
-        start, t0 = self.iteration, time.time()
-        tokens_per_step = self.global_batch * self.seq_length * self.step.sequences_per_sample
+        self._start, self._t0, self._window = self.iteration, time.time(), [0, 0.0]
         last: dict[str, float] = {}
         stop = False
         while self.iteration < st.iters and not stop:
+            self._beat()
+            if self.faults:
+                self.faults.check("step", self.iteration + 1)
             t_step = time.time()
             last = self.train_step(self.iteration)
             self.iteration += 1
             self.history.append(last)
-            s, dt = self.iteration, time.time() - t_step
-            if s % st.log_interval == 0 or s == st.iters or s == start + 1:
-                elapsed = time.time() - t0
-                self.metrics.write(
-                    {
-                        "kind": "train",
-                        "step": s,
-                        "iters": st.iters,
-                        **last,
-                        "tokens_per_s": tokens_per_step / dt,
-                        "elapsed_s": elapsed,
-                        "eta_s": elapsed / (s - start) * (st.iters - s),
-                    }
-                )
+            self._log_train(last, time.time() - t_step)
+            s = self.iteration
             if st.eval_interval and s % st.eval_interval == 0 and s < st.iters:
                 self._write_valid(s)
             stop = self._stop()
+            self._beat()
             if self.checkpointer is not None:
                 self.checkpointer.maybe_save(
                     s, s == st.iters, stop, self.chunks, self.optimizer, self.scheduler, self.state()
                 )
+        if stop and self.iteration < st.iters:
+            signum = self.stop_flag.signum if self.stop_flag else None
+            self.metrics.write(
+                {"kind": "info", "message": f"stopped at step {self.iteration} (signal {signum}), saved"}
+            )
+            raise Preempted(f"signal {signum} at step {self.iteration}; checkpoint saved")
         valid = (
             self._write_valid(self.iteration)
-            if self.iteration == st.iters and self.iteration > start
+            if self.iteration == st.iters and self.iteration > self._start
             else None
         )
         saved = self.checkpointer.last_saved if self.checkpointer else None
@@ -334,6 +348,28 @@ class Trainer:
             "stopped": self.iteration < st.iters,
             "checkpoint": str(saved) if saved else None,
         }
+
+    def _log_train(self, last: dict[str, float], step_s: float) -> None:
+        """A metrics line every log_interval steps; tokens/s over the steps' compute time since the last line."""
+        st, s = self.stage, self.iteration
+        self._window[0] += 1
+        self._window[1] += step_s
+        if not (s % st.log_interval == 0 or s == st.iters or s == self._start + 1):
+            return
+        tokens = self._window[0] * self.global_batch * self.seq_length * self.step.sequences_per_sample
+        elapsed = time.time() - self._t0
+        self.metrics.write(
+            {
+                "kind": "train",
+                "step": s,
+                "iters": st.iters,
+                **last,
+                "tokens_per_s": tokens / max(self._window[1], 1e-9),
+                "elapsed_s": elapsed,
+                "eta_s": elapsed / (s - self._start) * (st.iters - s),
+            }
+        )
+        self._window = [0, 0.0]
 
     def _write_valid(self, step: int) -> dict[str, float] | None:
         out = self.evaluate()

@@ -1,0 +1,618 @@
+"""Checkpoints of a training stage: atomic save, verified load, resume policy, retention.
+
+Layout of ``ckpt_root`` (a stage's ``checkpoints/``)::
+
+    iter_0000100/                 committed: megatron dist_checkpointing files (torch_dist backend),
+        COMPLETE.json             one RNG file per rank, and the marker listing every file (size, sha256)
+    tmp.iter_0000150.<nonce>/     a save in progress, or one that crashed: never read, never deleted here
+    latest                        the name of the newest committed checkpoint, written last
+
+``save`` is collective over all ranks and commits in this order: every rank writes into the temp
+directory; each rank fsyncs and checksums the files it wrote; rank 0 gathers the checksums, writes
+``COMPLETE.json``, renames the temp directory to ``iter_<7 digits>`` and then rewrites ``latest``.
+A crash at any point leaves either the previous state or a complete checkpoint. Readers trust only
+directories whose marker verifies (``verify``); ``find_latest`` skips and reports the rest.
+
+The common state (iteration, scheduler, the trainer's ``state`` dict, the torch thread count) goes into
+dist_checkpointing's common file and must be equal on every rank. RNG states differ per rank, so each
+rank writes ``rng.rank<rank>.pt``; they are restored only when the parallel layout is unchanged.
+megatron is imported lazily, so ``verify``/``find_latest`` stay cheap for callers that never train.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE.json"
+LATEST = "latest"
+FORMAT_VERSION = 1
+
+_COMMON_KEY = "checkpoint"
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$|^rng\.rank(\d+)\.pt$")
+_DISTOPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+_HASH_BLOCK = 4 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved, committed or loaded. The message names the path and what failed."""
+
+
+def iter_dir_name(iteration: int) -> str:
+    """``iter_0000100`` for iteration 100."""
+    return f"iter_{iteration:07d}"
+
+
+# ---------------------------------------------------------------------------- collectives
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj``, on every rank."""
+    if _world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on rank 0 (an empty list elsewhere)."""
+    if _world() == 1:
+        return [obj]
+    out: list[Any] | None = [None] * _world() if _rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
+
+
+def _on_rank0(fn: Callable[[], Any], what: str) -> Any:
+    """Run ``fn`` on rank 0 only and hand its result to every rank; a failure raises on every rank."""
+    result, error, exc = None, None, None
+    if _rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # re-raised below, on every rank
+            error, exc = f"{what} failed on rank 0: {type(e).__name__}: {e}", e
+    result, error = _broadcast((result, error))
+    if error:
+        raise CheckpointError(error) from exc
+    return result
+
+
+# ---------------------------------------------------------------------------- files, hashes, atomic writes
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_record(path: Path, *, fsync: bool = False) -> dict[str, Any]:
+    """``{"size", "sha256"}`` of a file, read once; with ``fsync`` its data is flushed to disk first."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        if fsync:
+            os.fsync(f.fileno())
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+            size += len(block)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file, fsync and rename: readers see the old or the new file."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _owner(name: str) -> int:
+    """The rank that writes a checkpoint file: ``__<rank>_<n>.distcp``, ``rng.rank<rank>.pt``, else 0."""
+    m = _RANK_FILE.match(name)
+    return int(m.group(1) or m.group(2)) if m else 0
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file())
+
+
+def _record_own_files(directory: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """fsync and checksum the files this rank wrote (relative POSIX path -> record)."""
+    return {
+        p.relative_to(directory).as_posix(): _file_record(p, fsync=True)
+        for p in _files(directory)
+        if _owner(p.name) == rank
+    }
+
+
+def _iter_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """``(iteration, path)`` of every ``iter_<7 digits>`` directory, newest first."""
+    found = []
+    for p in ckpt_root.iterdir() if ckpt_root.is_dir() else ():
+        m = _ITER_DIR.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found, reverse=True)
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    """The parsed marker of checkpoint ``path``; raises CheckpointError naming the file and the fault."""
+    marker = path / MARKER
+    try:
+        meta = json.loads(marker.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{marker}: missing (the save did not complete)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{marker}: unreadable ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
+        raise CheckpointError(f"{marker}: no 'files' table")
+    return meta
+
+
+# ---------------------------------------------------------------------------- verification and discovery
+
+
+def verify(path: Path, *, checksums: bool = True) -> list[str]:
+    """Problems of checkpoint ``path``, each naming the file and what failed; empty when it is good.
+
+    Good: the marker is present and readable, its iteration matches the directory name, and every file
+    it lists is present with the recorded size and (with ``checksums``) sha256. Files the marker does
+    not list are ignored.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return [f"{path}: not a directory"]
+    try:
+        meta = _read_marker(path)
+    except CheckpointError as e:
+        return [str(e)]
+    problems = []
+    m = _ITER_DIR.match(path.name)
+    if m and int(m.group(1)) != meta.get("iteration"):
+        problems.append(f"{path / MARKER}: iteration {meta.get('iteration')} does not match the name")
+    for rel, record in sorted(meta["files"].items()):
+        problems += _check_file(path / rel, record, checksums)
+    return problems
+
+
+def _check_file(path: Path, record: Any, checksums: bool) -> list[str]:
+    if not isinstance(record, dict) or not {"size", "sha256"} <= record.keys():
+        return [f"{path}: the marker's entry {record!r} lacks size/sha256"]
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return [f"{path}: missing"]
+    if size != record["size"]:
+        return [f"{path}: size {size} bytes, the marker records {record['size']}"]
+    if checksums:
+        digest = _file_record(path)["sha256"]
+        if digest != record["sha256"]:
+            return [f"{path}: sha256 {digest[:16]} differs from the marker's {record['sha256'][:16]}"]
+    return []
+
+
+def find_latest(ckpt_root: Path, *, collective: bool = True) -> Path | None:
+    """The newest checkpoint under ``ckpt_root`` that verifies, or None.
+
+    Incomplete saves (temp directories, no marker) and corrupt checkpoints are logged as warnings, naming
+    the file and the fault, and skipped; nothing is deleted. With ``collective`` and an initialized
+    process group, rank 0 does the checking and every rank gets its answer (call it on all ranks).
+    """
+    if collective and _world() > 1:
+        found = _on_rank0(lambda: _find_latest_here(Path(ckpt_root)), f"find_latest({ckpt_root})")
+        return Path(found) if found else None
+    found = _find_latest_here(Path(ckpt_root))
+    return Path(found) if found else None
+
+
+def _find_latest_here(ckpt_root: Path) -> str | None:
+    for tmp in sorted(ckpt_root.glob("tmp.iter_*")):
+        log.warning("incomplete checkpoint %s: the save did not finish; ignored, kept for inspection", tmp)
+    for _, path in _iter_dirs(ckpt_root):
+        problems = verify(path)
+        if not problems:
+            _check_latest_pointer(ckpt_root, path)
+            return str(path)
+        log.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
+    return None
+
+
+def _check_latest_pointer(ckpt_root: Path, found: Path) -> None:
+    try:
+        named = (ckpt_root / LATEST).read_text().strip()
+    except OSError:
+        named = None
+    if named != found.name:
+        log.warning("%s names %r but the newest verified checkpoint is %s", ckpt_root / LATEST, named, found)
+
+
+# ---------------------------------------------------------------------------- save
+
+
+def save(
+    ckpt_root: Path,
+    iteration: int,
+    *,
+    model_chunks: list,
+    optimizer: Any,
+    scheduler: Any,
+    state: dict,
+    keep_last: int = 2,
+    async_save: bool = False,
+    final: bool = False,
+) -> Path:
+    """Save a checkpoint of ``iteration`` under ``ckpt_root``; collective over all ranks.
+
+    ``state`` holds the trainer's resumable values (``consumed_samples``, ...): plain values, equal on
+    every rank. ``final=True`` marks the stage's last checkpoint, which retention always keeps besides the
+    newest ``keep_last`` others; older ones are deleted (rank 0, after the commit). Returns the
+    ``iter_<7 digits>`` path.
+
+    With ``async_save`` (and not ``final``) the tensors are written by a forked process (megatron's
+    AsyncCallsQueue; the fork sees the tensors as they were at this call) and the commit happens in
+    ``finalize_async``, which every rank must call (each step; ``blocking=True`` before exiting). Until
+    then the returned path does not exist. A save first completes any save still in flight.
+    """
+    from megatron.core import dist_checkpointing
+
+    from stages.engine import optim_fix
+
+    finalize_async(blocking=True)
+    ckpt_root = Path(ckpt_root)
+    target = ckpt_root / iter_dir_name(iteration)
+    common = _common_state(iteration, scheduler, state)
+    rng = _rng_state()
+    tmp = Path(
+        _on_rank0(lambda: str(_make_tmp_dir(ckpt_root, iteration)), f"creating a temp dir in {ckpt_root}")
+    )
+    optim_fix.apply()
+    sharded = _sharded_state_dict(model_chunks, optimizer, is_loading=False)
+    sharded[_COMMON_KEY] = common
+    start = time.monotonic()
+    is_async = async_save and not final
+    request = dist_checkpointing.save(sharded, str(tmp), async_sharded_save=is_async)
+    torch.save(rng, tmp / f"rng.rank{_rank()}.pt")
+    info = {"iteration": iteration, "final": final, "world_size": _world(), "layout": _layout()}
+
+    def commit() -> None:
+        _commit(tmp, target, info, keep_last)
+        log.info("saved %s in %.2f s%s", target, time.monotonic() - start, " (async)" if is_async else "")
+
+    if not is_async:
+        commit()
+        return target
+    request.add_finalize_fn(commit)
+    _async_queue().schedule_async_request(request)
+    return target
+
+
+_QUEUE: Any = None
+"""megatron's AsyncCallsQueue, created by the first async save."""
+
+
+def _async_queue() -> Any:
+    global _QUEUE
+    if _QUEUE is None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        _QUEUE = AsyncCallsQueue()
+    return _QUEUE
+
+
+def finalize_async(blocking: bool = False) -> None:
+    """Commit the async saves whose writes have finished on every rank; collective (every rank calls it).
+
+    ``blocking=True`` waits for the writes. A no-op when no async save was made.
+    """
+    if _QUEUE is not None and _QUEUE.get_num_unfinalized_calls():
+        _QUEUE.maybe_finalize_async_calls(blocking=blocking)
+
+
+def _make_tmp_dir(ckpt_root: Path, iteration: int) -> Path:
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_root / f"tmp.{iter_dir_name(iteration)}.{secrets.token_hex(4)}"
+    tmp.mkdir()
+    return tmp
+
+
+def _plain_state(state: dict) -> dict:
+    """``state`` as given, after checking it holds plain values (they must load with weights_only)."""
+    for key, value in state.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"state[{key!r}]: {e}; state holds plain values (numbers, strings, lists, dicts) equal on "
+                "every rank (RNG states are saved per rank by checkpoint.save itself)"
+            ) from None
+    return dict(state)
+
+
+def _common_state(iteration: int, scheduler: Any, state: dict) -> dict[str, Any]:
+    return {
+        "format": FORMAT_VERSION,
+        "iteration": iteration,
+        "state": _plain_state(state),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _commit(tmp: Path, target: Path, info: dict[str, Any], keep_last: int) -> None:
+    """Checksums from every rank -> marker -> rename -> ``latest`` -> retention (rank 0); collective."""
+    try:
+        own, error = _record_own_files(tmp, _rank()), None
+    except OSError as e:
+        own, error = {}, f"rank {_rank()}: checksumming {tmp} failed: {e}"
+    gathered = _gather((own, error))
+    _on_rank0(lambda: _commit_on_rank0(tmp, target, info, gathered, keep_last), f"committing {target}")
+
+
+def _commit_on_rank0(tmp: Path, target: Path, info: dict, gathered: list, keep_last: int) -> None:
+    errors = [error for _, error in gathered if error]
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    files: dict[str, dict[str, Any]] = {}
+    for own, _ in gathered:
+        files.update(own)
+    for p in _files(tmp):
+        rel = p.relative_to(tmp).as_posix()
+        if rel not in files:
+            log.warning("%s: written by no rank's rule; checksummed by rank 0", p)
+            files[rel] = _file_record(p, fsync=True)
+    _write_marker(tmp, {**info, "format": FORMAT_VERSION, "time": time.time(), "files": files})
+    _rename_into_place(tmp, target)
+    _write_atomic(target.parent / LATEST, target.name + "\n")
+    _prune(target.parent, keep_last)
+
+
+def _write_marker(directory: Path, meta: dict[str, Any]) -> None:
+    _write_atomic(directory / MARKER, json.dumps(meta, indent=1, sort_keys=True) + "\n")
+
+
+def _rename_into_place(tmp: Path, target: Path) -> None:
+    """Rename ``tmp`` to ``target``; an existing ``target`` (a repeated save) is moved aside first."""
+    aside = None
+    if target.exists():
+        aside = target.with_name(f"trash.{target.name}.{secrets.token_hex(4)}")
+        log.warning("%s exists; replacing it with the new save", target)
+        os.rename(target, aside)
+    os.rename(tmp, target)
+    _fsync_dir(target.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def mark_final(path: Path) -> None:
+    """Mark the committed checkpoint ``path`` as the stage's final one (kept by retention); one process."""
+    path = Path(path)
+    meta = _read_marker(path)
+    meta["final"] = True
+    _write_marker(path, meta)
+
+
+def _prune(ckpt_root: Path, keep_last: int) -> None:
+    """Delete committed checkpoints beyond the newest ``keep_last`` non-final ones; keep final ones.
+
+    Only directories whose marker reads are candidates: incomplete or unreadable ones are left alone.
+    """
+    kept = 0
+    for _, path in _iter_dirs(ckpt_root):
+        try:
+            meta = _read_marker(path)
+        except CheckpointError:
+            continue
+        if meta.get("final"):
+            continue
+        if kept < keep_last:
+            kept += 1
+            continue
+        try:
+            os.rename(path, path.with_name(f"trash.{path.name}.{secrets.token_hex(4)}"))
+            log.info("retention: deleting %s", path)
+        except OSError as e:
+            log.warning("retention: could not delete %s: %s", path, e)
+    for trash in ckpt_root.glob("trash.*"):
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def load(path: Path, *, model_chunks: list, optimizer: Any = None, scheduler: Any = None) -> dict:
+    """Restore model, optimizer, scheduler and RNG states from checkpoint ``path``; collective.
+
+    The parallel layout may differ from the saving run's (dist_checkpointing reshards TP/PP/DP); RNG
+    states are then left as they are (a warning says so). Returns the saved ``state`` dict with
+    ``iteration`` and ``torch_threads`` (the saving run's thread count) added.
+    """
+    from stages.engine import optim_fix
+
+    path = Path(path)
+    _require_committed(path)
+    optim_fix.apply()
+    start = time.monotonic()
+    loaded = _dist_load(_sharded_state_dict(model_chunks, optimizer, is_loading=True), path)
+    _load_model(model_chunks, loaded, path)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    common = loaded[_COMMON_KEY]
+    _load_scheduler(scheduler, common, path)
+    _restore_rng(path)
+    _warn_thread_count(common, path)
+    log.info("loaded %s in %.2f s", path, time.monotonic() - start)
+    return {**common["state"], "iteration": common["iteration"], "torch_threads": common["torch_threads"]}
+
+
+def load_weights(path: Path, model_chunks: list) -> None:
+    """Load only the model weights of checkpoint ``path`` (``init_from``: fresh optimizer and schedule)."""
+    path = Path(path)
+    _require_committed(path)
+    _load_model(
+        model_chunks, _dist_load(_sharded_state_dict(model_chunks, None, is_loading=True), path), path
+    )
+
+
+def _dist_load(sharded: dict[str, Any], path: Path) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load(sharded, str(path))  # type: ignore[return-value]
+    except Exception as e:
+        raise CheckpointError(f"{path}: dist_checkpointing.load failed: {type(e).__name__}: {e}") from e
+
+
+def _require_committed(path: Path) -> None:
+    problems = verify(path, checksums=False)
+    if problems:
+        raise CheckpointError(f"refusing to load {path}: " + "; ".join(problems))
+
+
+def _load_model(model_chunks: list, loaded: dict, path: Path) -> None:
+    from megatron.core.utils import unwrap_model
+
+    chunks = unwrap_model(list(model_chunks))
+    for i, chunk in enumerate(chunks):
+        key = _model_key(i, len(chunks))
+        try:
+            chunk.load_state_dict(loaded[key], strict=True)
+        except (KeyError, RuntimeError) as e:
+            raise CheckpointError(f"{path}: model chunk {key!r} does not load: {e}") from e
+
+
+def _load_scheduler(scheduler: Any, common: dict, path: Path) -> None:
+    if scheduler is None:
+        return
+    if common.get("scheduler") is None:
+        raise CheckpointError(f"{path}: saved without scheduler state, but a scheduler was given")
+    scheduler.load_state_dict(common["scheduler"])
+
+
+def _warn_thread_count(common: dict, path: Path) -> None:
+    saved, now = common.get("torch_threads"), torch.get_num_threads()
+    if saved != now:
+        log.warning(
+            "%s was saved with %s torch threads, running with %s: CPU sums may differ", path, saved, now
+        )
+
+
+# ---------------------------------------------------------------------------- state dicts
+
+
+def _model_key(index: int, count: int) -> str:
+    return "model" if count == 1 else f"model{index}"
+
+
+def _sharded_state_dict(model_chunks: list, optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
+    from megatron.core.utils import unwrap_model
+
+    chunks = unwrap_model(list(model_chunks))
+    sharded: dict[str, Any] = {
+        _model_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)
+    }
+    if optimizer is not None:
+        metadata = _DISTOPT_METADATA if _is_distributed_optimizer(optimizer) else None
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=is_loading, metadata=metadata)
+    return sharded
+
+
+def _is_distributed_optimizer(optimizer: Any) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(isinstance(o, DistributedOptimizer) for o in inner)
+
+
+# ---------------------------------------------------------------------------- RNG
+
+
+def _layout() -> dict[str, int]:
+    """World size and, when megatron's model parallel state is up, the TP/PP/DP sizes."""
+    layout = {"world": _world()}
+    try:
+        from megatron.core import parallel_state as ps
+    except ImportError:
+        return layout
+    if ps.model_parallel_is_initialized():
+        layout |= {
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(),
+        }
+    return layout
+
+
+def _tracker() -> Any:
+    try:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    except ImportError:
+        return None
+    return get_cuda_rng_tracker()
+
+
+def _rng_state() -> dict[str, Any]:
+    tracker = _tracker()
+    return {
+        "layout": _layout(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "tracker": {k: v.clone() for k, v in tracker.get_states().items()} if tracker else None,
+    }
+
+
+def _restore_rng(path: Path) -> None:
+    file = path / f"rng.rank{_rank()}.pt"
+    if not file.is_file():
+        log.warning("%s: missing; RNG states not restored", file)
+        return
+    saved = torch.load(file, weights_only=False)
+    if saved["layout"] != _layout():
+        log.warning(
+            "%s: saved under layout %s, now %s; RNG states not restored", file, saved["layout"], _layout()
+        )
+        return
+    random.setstate(saved["python"])
+    np.random.set_state(saved["numpy"])
+    torch.set_rng_state(saved["torch"])
+    if saved["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda"])
+    tracker = _tracker()
+    if saved["tracker"] and tracker is not None:
+        tracker.set_states(saved["tracker"])
