@@ -326,6 +326,14 @@ class TrainStage:
     """Checkpoints kept besides the final one."""
     hang_timeout_s: int = 900
     """Watchdog: a rank without progress this long dumps its stacks and exits (code 86); 0 = off."""
+    nan_policy: str = "skip"
+    """A bad step (NaN/Inf loss or grad norm, or a grad_spike_factor spike): skip = no update for that batch; rollback = reload the last checkpoint and skip the batch; stop = fail naming the step."""
+    grad_spike_factor: float = 0.0
+    """A step whose grad norm exceeds this x the median of the last 20 good steps (after 5) is bad; 0 = off."""
+    max_bad_steps: int = 10
+    """Bad steps in a row that stop the run (any nan_policy)."""
+    async_save: bool = False
+    """Write periodic checkpoints in a background process (the final and stop-request saves stay synchronous)."""
     beta: float = 0.1
     """DPO: strength of the KL anchor to the reference model (rlhf only)."""
     algorithm: str = "dpo"
@@ -340,6 +348,10 @@ class TrainStage:
         _positive("keep_last", self.keep_last)
         _positive("hang_timeout_s", self.hang_timeout_s, allow_zero=True)
         _positive("warmup_iters", self.warmup_iters, allow_zero=True)
+        _choice("nan_policy", self.nan_policy, ("skip", "rollback", "stop"))
+        if self.grad_spike_factor != 0 and not self.grad_spike_factor > 1:
+            _fail("grad_spike_factor", self.grad_spike_factor, "must be 0 (off) or > 1")
+        _positive("max_bad_steps", self.max_bad_steps)
         if self.warmup_iters > self.iters:
             _fail("warmup_iters", self.warmup_iters, f"must be <= iters={self.iters}")
         if not self.lr > 0:
@@ -534,7 +546,19 @@ def from_dict(data: dict[str, Any]) -> PipelineConfig:
 # ---------------------------------------------------------------------------- hashes
 
 # Keys that do not change what a stage computes: where and how it runs, not what it learns.
-_RESOURCE_KEYS = {"time_min", "threads", "parallel"}
+_RESOURCE_KEYS = {
+    "time_min",
+    "threads",
+    "parallel",
+    "hang_timeout_s",
+    "log_interval",
+    "save_interval",
+    "keep_last",
+    "nan_policy",
+    "grad_spike_factor",
+    "max_bad_steps",
+    "async_save",
+}
 _RESULT_PARALLEL_KEYS = ("global_batch_size", "precision")
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import PipelineConfig, from_dict
-from pipeline.ledger import CANCELLED, COMPLETED, FAILED, REQUEUED, RUNNING, STOPPED, Ledger
+from pipeline.ledger import CANCELLED, COMPLETED, FAILED, REQUEUED, RUNNING, STOPPED, Ledger, StageRecord
 from pipeline.plan import ParallelPlan, stage_plan
 
 CODE_DIRS = ("pipeline", "stages", "conf")
@@ -176,13 +176,19 @@ def run_stage(
             _record_failure(ledger, stage, cfg, e)
         raise
     if rank == 0:
-        ledger.update(stage, status=COMPLETED, ended_at=time.time(), outputs=out)
+        from pipeline.status import accounting
+
+        extra = {
+            **((ledger.read(stage) or StageRecord(stage)).extra),
+            "accounting": accounting(Path(run_dir), stage),
+        }
+        ledger.update(stage, status=COMPLETED, ended_at=time.time(), outputs=out, extra=extra)
         ledger.event("completed", stage)
     return out
 
 
 def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> None:
-    """Rank 0: the ledger says running; the event names the code this job imports (the run's snapshot)."""
+    """Rank 0: the ledger says running; the event records the rendezvous and the code this job imports."""
     rec = ledger.read(stage)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     ledger.update(
@@ -194,7 +200,16 @@ def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> None:
         host=socket.gethostname(),
         error=None,
     )
-    ledger.event("started", stage, job_id=job_id, world_size=world, restarts=restarts, code=str(REPO_ROOT))
+    rendezvous = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    ledger.event(
+        "started",
+        stage,
+        job_id=job_id,
+        world_size=world,
+        restarts=restarts,
+        master=rendezvous,
+        code=str(REPO_ROOT),
+    )
 
 
 def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseException) -> None:

@@ -17,7 +17,7 @@ from pipeline import progress
 from pipeline.config import PipelineConfig, run_hash, stage_hashes
 from pipeline.graph import dependencies, order, upstream
 from pipeline.launch import free_port, make_executor, run_stage, sbatch_script, stage_out_dir
-from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, SUBMITTED, Ledger, StageRecord
+from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, STOPPED, SUBMITTED, Ledger, StageRecord
 from pipeline.plan import stage_plan
 
 
@@ -84,6 +84,7 @@ def execute(cfg: PipelineConfig, *, out: TextIO = sys.stdout) -> int:
             file=out,
         )
     if not d.submit:
+        print("nothing submitted: every selected stage is completed or already queued/running", file=out)
         ledger.event("nothing_to_do")
         return summarize(cfg, run_dir, out)
     _write_provenance(cfg, run_dir)
@@ -107,18 +108,24 @@ def _run_one_local(cfg: PipelineConfig, stage: str, run_dir: Path, ledger: Ledge
     follower = progress.Follower(stage, stage_out_dir(run_dir, stage) / "metrics.jsonl", out=out)
     try:
         if cfg.cluster.executor == "debug":
-            job.result()
+            job.results()
         else:
             while not job.done():
                 follower.poll()
                 time.sleep(0.5)
-            job.result()
+            job.results()
     except Exception as e:
-        rec = ledger.read(stage)
-        if rec and rec.status != FAILED:
-            ledger.update(stage, status=FAILED, ended_at=time.time(), error=f"{type(e).__name__}: {e}")
         follower.poll()
         log = job.paths.stderr if cfg.cluster.executor == "local" else None
+        rec = ledger.read(stage)
+        if rec and rec.status == STOPPED:
+            raise RunError(
+                f"stage {stage!r} stopped on a signal after saving a checkpoint; re-run the same command to resume"
+            ) from None
+        if rec and rec.status != FAILED:  # killed: the job could not say so itself
+            ledger.update(
+                stage, status=FAILED, ended_at=time.time(), error=f"{type(e).__name__}: {_last_error(e)}"
+            )
         raise RunError(f"stage {stage!r} failed: {_last_error(e)}\n  log: {log or 'see above'}") from None
     follower.poll(final=True)
 

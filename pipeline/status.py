@@ -7,14 +7,19 @@ failed (or which upstream failure keeps it from running).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import STAGES
-from pipeline.ledger import ACTIVE, COMPLETED, FAILED, Ledger, StageRecord
+from pipeline.graph import upstream
+from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, Ledger, StageRecord
 
+BLOCKED = "blocked"
+"""Shown for a stage that will never run because an upstream stage failed (its job cancelled or pending)."""
 TERMINAL_BAD = {"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -28,48 +33,120 @@ class StageView:
     requeues: int = 0
     log: str | None = None
     job_ids: str = ""
+    stderr: str | None = None
+    accounting: str = ""
 
 
 def view(rec: StageRecord | None, stage: str) -> StageView:
     """Merge the ledger record with the scheduler's view of its job."""
     if rec is None:
         return StageView(stage, "not run")
-    v = StageView(stage, rec.status, rec.error or "", rec.requeues, rec.log, ",".join(rec.job_ids))
+    stderr = rec.extra.get("stderr") if rec.extra else None
+    v = StageView(stage, rec.status, rec.error or "", rec.requeues, rec.log, ",".join(rec.job_ids), stderr)
     if rec.executor != "slurm" or rec.status not in ACTIVE or not rec.job_ids:
         return v
     from pipeline.slurm_submit import job_state
 
     state, reason, runs = job_state(rec.job_ids[-1])
     v.requeues = max(v.requeues, runs - 1)
+    _apply_slurm_state(v, rec, state, reason, runs)
+    return v
+
+
+def _apply_slurm_state(v: StageView, rec: StageRecord, state: str, reason: str, runs: int) -> None:
+    """Set ``v.state``/``v.detail`` from the SLURM state of the job behind an active ledger record."""
     if state == "PENDING" and "DependencyNeverSatisfied" in reason:
-        v.state, v.detail = "blocked", "will not run: an upstream stage failed"
+        v.state, v.detail = BLOCKED, "will not run: an upstream stage failed"
     elif state == "PENDING":
         v.state, v.detail = ("requeued" if runs > 1 else "pending"), reason
     elif state in ("REQUEUED", "NODE_FAIL", "PREEMPTED", "REQUEUE_HOLD"):
         v.state, v.detail = "requeued", state
+    elif state == "CANCELLED" and rec.started_at is None:
+        v.state, v.detail = BLOCKED, "job cancelled before it started (an upstream stage failed, or scancel)"
+    elif state == "CANCELLED":
+        v.state, v.detail = CANCELLED, "job cancelled while running (scancel)"
     elif state in TERMINAL_BAD:
-        v.state, v.detail = "failed", f"SLURM state {state}" + (f" ({reason})" if reason else "")
+        v.state, v.detail = FAILED, f"SLURM state {state}" + (f" ({reason})" if reason != "None" else "")
     elif state == "RUNNING":
         v.state = "running"
     elif state == "COMPLETED" and rec.status != COMPLETED:
-        v.state, v.detail = "failed", "job ended without completing the stage"
-    return v
+        v.state, v.detail = FAILED, "job ended without completing the stage"
+
+
+def _name_blockers(views: list[StageView]) -> None:
+    """Name the failed stage that keeps each blocked stage from running (views in graph order)."""
+    root = {v.stage: v.stage for v in views if v.state == FAILED}
+    for v in views:
+        cause = next((root[u] for u in upstream(v.stage) if u in root), None)
+        if v.state == BLOCKED and cause is not None:
+            root[v.stage] = cause
+            v.detail = f"will not run: upstream stage {cause} failed"
+
+
+def accounting(run_dir: Path, stage: str) -> dict[str, Any]:
+    """Fault accounting of a stage from its metrics file: resumes, steps lost, downtime, checkpoint saves."""
+    path = Path(run_dir) / "stages" / stage / "metrics.jsonl"
+    resumes, saves = [], []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("kind") == "resume":
+                resumes.append(rec)
+            elif rec.get("kind") == "checkpoint":
+                saves.append(float(rec.get("save_s", 0.0)))
+    down = [float(r["down_s"]) for r in resumes if r.get("down_s") is not None]
+    return {
+        "resumes": len(resumes),
+        "steps_lost": sum(int(r.get("steps_lost", 0)) for r in resumes),
+        "down_s": down,
+        "checkpoints": len(saves),
+        "checkpoint_save_s_total": sum(saves),
+        "checkpoint_save_s_max": max(saves, default=0.0),
+    }
+
+
+def format_accounting(acc: dict[str, Any], attempts: int) -> str:
+    down = ", ".join(f"{d:.0f}s" for d in acc["down_s"]) or "-"
+    return (
+        f"attempts {attempts}, resumes {acc['resumes']}, steps lost {acc['steps_lost']}, "
+        f"failure-to-training {down}, {acc['checkpoints']} checkpoint(s) "
+        f"{acc['checkpoint_save_s_total']:.1f}s total (max {acc['checkpoint_save_s_max']:.1f}s)"
+    )
+
+
+def _add_accounting(run_dir: Path, ledger: Ledger, views: list[StageView]) -> None:
+    for v in views:
+        rec = ledger.read(v.stage)
+        acc = accounting(run_dir, v.stage)
+        if rec and (acc["checkpoints"] or acc["resumes"] or rec.attempts > 1):
+            v.accounting = format_accounting(acc, rec.attempts)
 
 
 def run_status(run_dir: Path) -> list[StageView]:
     ledger = Ledger(run_dir)
-    return [view(ledger.read(s), s) for s in STAGES if ledger.read(s) is not None]
+    views = [view(rec, s) for s in STAGES if (rec := ledger.read(s)) is not None]
+    _name_blockers(views)
+    _add_accounting(run_dir, ledger, views)
+    return views
 
 
 def format_status(run_dir: Path, views: list[StageView]) -> str:
     lines = [f"run directory: {run_dir}", f"{'stage':<10} {'state':<10} {'job':<10} {'requeues':>8}  detail"]
     for v in views:
         lines.append(f"{v.stage:<10} {v.state:<10} {v.job_ids:<10} {v.requeues:>8}  {v.detail}")
-        if v.state in ("failed", FAILED) and v.log:
-            lines.append(f"{'':<10} log: {v.log}")
-    failed = [v.stage for v in views if v.state in ("failed", FAILED)]
+        if v.state == FAILED:
+            lines += [f"{'':<10} log: {v.log}"] + ([f"{'':<10} stderr: {v.stderr}"] if v.stderr else [])
+        if v.accounting:
+            lines.append(f"{'':<10} {v.accounting}")
+    failed = [v for v in views if v.state == FAILED]
     if failed:
-        lines.append(f"failed stage: {failed[0]} (re-run the same command to resubmit it and its dependents)")
+        lines.append(
+            f"failed stage: {failed[0].stage}, log {failed[0].stderr or failed[0].log} "
+            "(re-run the same command to resubmit it and its dependents)"
+        )
     return "\n".join(lines)
 
 
@@ -85,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         views = run_status(a.run_dir)
         print(format_status(a.run_dir, views), flush=True)
         if not a.watch or not any(v.state in ("submitted", "pending", "running", "requeued") for v in views):
-            return 1 if any(v.state in ("failed", FAILED) for v in views) else 0
+            return 1 if any(v.state in (FAILED, BLOCKED, CANCELLED) for v in views) else 0
         time.sleep(a.watch)
 
 

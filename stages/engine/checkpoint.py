@@ -24,19 +24,24 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import multiprocessing as mp
 import os
 import random
 import re
 import secrets
 import shutil
+import signal
 import time
 from collections.abc import Callable
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from stages.engine.faults import FaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -305,12 +310,15 @@ def save(
     sharded[_COMMON_KEY] = common
     start = time.monotonic()
     is_async = async_save and not final
+    _signal_safe_writer_queue()
     request = dist_checkpointing.save(sharded, str(tmp), async_sharded_save=is_async)
     torch.save(rng, tmp / f"rng.rank{_rank()}.pt")
     info = {"iteration": iteration, "final": final, "world_size": _world(), "layout": _layout()}
+    faults = FaultInjector(ckpt_root.parent, _rank())
 
     def commit() -> None:
-        _commit(tmp, target, info, keep_last)
+        faults.check("ckpt_write", iteration)
+        _commit(tmp, target, info, keep_last, faults)
         log.info("saved %s in %.2f s%s", target, time.monotonic() - start, " (async)" if is_async else "")
 
     if not is_async:
@@ -320,6 +328,34 @@ def save(
     _async_queue().schedule_async_request(request)
     return target
 
+
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _signal_safe_writer_queue() -> None:
+    """Give dist_checkpointing's writer a results queue whose manager survives SLURM's warning signals.
+
+    megatron 0.16-0.19 lazily starts a *spawned* multiprocessing manager for the writers' results. SLURM
+    signals every process of a job step (``--signal``, scancel, preemption), the spawned manager dies of
+    the default action, and the save that the signal asked for fails with BrokenPipeError. Our manager
+    ignores SIGUSR1/SIGUSR2/SIGTERM (the training process owns them); it still dies with SIGKILL and is
+    shut down when the training process exits.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "missing") is not None:
+        return  # already created (by us), or a megatron version without this global
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=_ignore_stop_signals)
+    filesystem_async._results_queue = manager.Queue()
+    global _MANAGER
+    _MANAGER = manager
+
+
+_MANAGER: Any = None
+"""The manager behind dist_checkpointing's results queue (kept alive for the process's lifetime)."""
 
 _QUEUE: Any = None
 """megatron's AsyncCallsQueue, created by the first async save."""
@@ -341,6 +377,11 @@ def finalize_async(blocking: bool = False) -> None:
     """
     if _QUEUE is not None and _QUEUE.get_num_unfinalized_calls():
         _QUEUE.maybe_finalize_async_calls(blocking=blocking)
+
+
+def pending_async() -> int:
+    """Async saves made by this process and not yet committed (finalized)."""
+    return int(_QUEUE.get_num_unfinalized_calls()) if _QUEUE is not None else 0
 
 
 def _make_tmp_dir(ckpt_root: Path, iteration: int) -> Path:
@@ -373,17 +414,23 @@ def _common_state(iteration: int, scheduler: Any, state: dict) -> dict[str, Any]
     }
 
 
-def _commit(tmp: Path, target: Path, info: dict[str, Any], keep_last: int) -> None:
+def _commit(
+    tmp: Path, target: Path, info: dict[str, Any], keep_last: int, faults: FaultInjector | None = None
+) -> None:
     """Checksums from every rank -> marker -> rename -> ``latest`` -> retention (rank 0); collective."""
     try:
         own, error = _record_own_files(tmp, _rank()), None
     except OSError as e:
         own, error = {}, f"rank {_rank()}: checksumming {tmp} failed: {e}"
     gathered = _gather((own, error))
-    _on_rank0(lambda: _commit_on_rank0(tmp, target, info, gathered, keep_last), f"committing {target}")
+    _on_rank0(
+        lambda: _commit_on_rank0(tmp, target, info, gathered, keep_last, faults), f"committing {target}"
+    )
 
 
-def _commit_on_rank0(tmp: Path, target: Path, info: dict, gathered: list, keep_last: int) -> None:
+def _commit_on_rank0(
+    tmp: Path, target: Path, info: dict, gathered: list, keep_last: int, faults: FaultInjector | None = None
+) -> None:
     errors = [error for _, error in gathered if error]
     if errors:
         raise CheckpointError("; ".join(errors))
@@ -397,6 +444,8 @@ def _commit_on_rank0(tmp: Path, target: Path, info: dict, gathered: list, keep_l
             files[rel] = _file_record(p, fsync=True)
     _write_marker(tmp, {**info, "format": FORMAT_VERSION, "time": time.time(), "files": files})
     _rename_into_place(tmp, target)
+    if faults is not None:
+        faults.check("ckpt_commit", int(info["iteration"]))
     _write_atomic(target.parent / LATEST, target.name + "\n")
     _prune(target.parent, keep_last)
 
@@ -616,3 +665,20 @@ def _restore_rng(path: Path) -> None:
     tracker = _tracker()
     if saved["tracker"] and tracker is not None:
         tracker.set_states(saved["tracker"])
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a committed checkpoint (model and optimizer state), by name, on CPU.
+
+    Needs no process group or model: for inspection, export and exact comparisons between runs.
+    """
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    _require_committed(Path(path))
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "state.pt"
+        dcp_to_torch_save(str(path), str(out))
+        state = torch.load(out, map_location="cpu", weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}

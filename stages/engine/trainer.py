@@ -10,7 +10,10 @@ boundary (with a checkpoint).
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -22,10 +25,13 @@ import torch
 from pipeline.config import ParallelConfig, TrainStage
 from stages.context import MetricsWriter
 from stages.engine import distributed as D
+from stages.engine.bad_steps import BadStepError, BadStepGuard, reason_code, reason_from_code
 from stages.engine.data import collate, sample_range
 from stages.engine.faults import FaultInjector
 from stages.engine.signals import Preempted, StopFlag, Watchdog
 from stages.engine.steps import Batch, ReferenceLogpStep
+
+log = logging.getLogger(__name__)
 
 
 class SampleSource(Protocol):
@@ -97,13 +103,27 @@ class Checkpointer:
     """Resume / init_from / periodic saves through stages.engine.checkpoint (save, find_latest, load, load_weights)."""
 
     def __init__(
-        self, root: Path, save_interval: int, init_from: Path | None = None, keep_last: int = 2
+        self,
+        root: Path,
+        save_interval: int,
+        init_from: Path | None = None,
+        keep_last: int = 2,
+        async_save: bool = False,
     ) -> None:
         self.root = Path(root)
+        self.async_save = async_save
+        """Periodic saves in the background (final and forced saves stay synchronous)."""
+        self.finalize_seconds: list[float] = []
+        """Wall time of each ``finalize`` call that committed an async save (also a training stall)."""
         self.save_interval = save_interval
         self.keep_last = keep_last
         self.init_from = Path(init_from) if init_from else None
         self.last_saved: Path | None = None
+        self.save_seconds: list[float] = []
+        """Wall time of each save (the training stall)."""
+        self.failures = 0
+        self.max_failures = 3
+        """Consecutive failed saves that stop the run."""
         self.init_weights_loaded = False
         """Set when the caller already loaded init_from (rlhf does, for the reference pass)."""
 
@@ -148,15 +168,47 @@ class Checkpointer:
         scheduler: Any,
         state: dict,
     ) -> None:
-        """Save at every ``save_interval``, at the final step, and when ``force`` (a stop request)."""
-        if final or force or step % self.save_interval == 0:
-            self.save(step, chunks, optimizer, scheduler, state, final=final)
+        """Save at every ``save_interval``, at the final step, and when ``force`` (a stop request).
+
+        A failed periodic save (disk full, permission denied) is logged and retried at the next interval;
+        ``max_failures`` failures in a row, or a failed final/forced save, stop the run.
+        """
+        if not (final or force or step % self.save_interval == 0):
+            return
+        from stages.engine.checkpoint import CheckpointError
+
+        try:
+            self.save(
+                step,
+                chunks,
+                optimizer,
+                scheduler,
+                state,
+                final=final,
+                async_save=self.async_save and not force,
+            )
+            self.failures = 0
+        except (CheckpointError, OSError) as e:
+            self.failures += 1
+            log.error("checkpoint at step %d failed (%d in a row): %s", step, self.failures, e)
+            if final or force or self.failures >= self.max_failures:
+                raise CheckpointError(
+                    f"giving up after {self.failures} failed save(s) in a row; last: {e}"
+                ) from e
 
     def save(
-        self, step: int, chunks: list[Any], optimizer: Any, scheduler: Any, state: dict, final: bool = False
+        self,
+        step: int,
+        chunks: list[Any],
+        optimizer: Any,
+        scheduler: Any,
+        state: dict,
+        final: bool = False,
+        async_save: bool = False,
     ) -> Path:
         from stages.engine import checkpoint
 
+        t0 = time.time()
         self.last_saved = checkpoint.save(
             self.root,
             step,
@@ -166,8 +218,30 @@ class Checkpointer:
             state=state,
             keep_last=self.keep_last,
             final=final,
+            async_save=async_save,
         )
+        self.save_seconds.append(time.time() - t0)
         return self.last_saved
+
+    def finalize(self, blocking: bool = False) -> None:
+        """Commit async saves whose writes are done (``blocking``: wait for them); collective, call every step."""
+        from stages.engine import checkpoint
+
+        t0 = time.time()
+        pending = checkpoint.pending_async()
+        checkpoint.finalize_async(blocking=blocking)
+        if pending > checkpoint.pending_async():
+            self.finalize_seconds.append(time.time() - t0)
+
+    def reload_latest(self, chunks: list[Any], optimizer: Any, scheduler: Any) -> dict[str, Any] | None:
+        """Full state of the newest good checkpoint (a rollback), after committing any save in flight; None if none."""
+        from stages.engine import checkpoint
+
+        self.finalize(blocking=True)
+        latest = checkpoint.find_latest(self.root)
+        if latest is None:
+            return None
+        return dict(checkpoint.load(latest, model_chunks=chunks, optimizer=optimizer, scheduler=scheduler))
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -206,6 +280,7 @@ class Trainer:
         self.checkpointer = checkpointer
         self.faults, self.stop_flag, self.watchdog = faults, stop_flag, watchdog
         self.iteration = 0
+        self.resume_info: dict[str, Any] | None = None
         self._start, self._t0, self._window = (
             0,
             0.0,
@@ -213,17 +288,25 @@ class Trainer:
         )  # set by fit(): first step, start time, log window
         self.stop_requested = False
         self.history: list[dict[str, float]] = []
+        self.guard = BadStepGuard(stage.grad_spike_factor, stage.max_bad_steps)
+        self.skipped_steps: set[int] = set()
+        """Steps (1-based) whose batch is consumed without an update: bad batches found before a rollback."""
+        self.verdict: dict[str, Any] | None = None
+        """The last step's ``{"reason", "grad_norm"}`` (reason None: good); None when no update was tried."""
+        self._poison = False
 
     @property
     def global_batch(self) -> int:
         return self.stage.parallel.global_batch_size
 
-    def _forward_backward(self, batches: list[Batch], forward_only: bool) -> list[dict[str, torch.Tensor]]:
+    def _forward_backward(
+        self, batches: list[Batch], forward_only: bool, step: Any = None
+    ) -> list[dict[str, torch.Tensor]]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         chunks = self.chunks
         return get_forward_backward_func()(  # type: ignore[no-any-return]
-            forward_step_func=self.step,
+            forward_step_func=step or self.step,
             data_iterator=_iterators(batches, len(chunks)),
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=len(batches),
@@ -244,15 +327,17 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         """One optimizer step at global step ``step``; returns globally reduced metrics."""
+        if step + 1 in self.skipped_steps:
+            return self._skip_known(step)
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         par = self.stage.parallel
         batches = micro_batches(self.train_source, step, par.global_batch_size, par.micro_batch_size)
-        outputs = self._forward_backward(batches, forward_only=False)
+        outputs = self._forward_backward(batches, False, _poisoned(self.step) if self._poison else None)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm = self._judged_optimizer_step(outputs)
         if ok:
             self.scheduler.step(increment=1)
         sums = self._sums(outputs)
@@ -260,6 +345,95 @@ class Trainer:
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["lr"] = lr
         return out
+
+    def _judged_optimizer_step(self, outputs: Sequence[dict[str, torch.Tensor]]) -> tuple[bool, Any]:
+        """``optimizer.step()``, which applies no update when the step is bad (``self.verdict`` says why).
+
+        megatron's step first calls ``prepare_grads`` (grads to main grads, unscaled) and skips the update
+        when it reports inf/NaN. We wrap it for this call: after it, the grad norm (reduced over the model
+        and distributed-optimizer groups, as megatron's clipping computes it) and the local losses are
+        judged, the verdict is max-reduced over all ranks, and a bad verdict is reported as inf/NaN found.
+        """
+        optimizer, verdict = self.optimizer, {}
+        prepare = optimizer.prepare_grads
+
+        def judged_prepare() -> bool:
+            found_inf = bool(prepare())
+            if not found_inf:  # an fp16 overflow: megatron's own skip, agreed over ranks, not a bad step
+                verdict.update(self._judge(outputs, float(optimizer.get_grad_norm())))
+            return found_inf or verdict.get("reason") is not None
+
+        optimizer.prepare_grads = judged_prepare
+        try:
+            ok, grad_norm, _ = optimizer.step()
+        finally:
+            del optimizer.prepare_grads
+        self.verdict = verdict or None
+        return ok, grad_norm if grad_norm is not None else verdict.get("grad_norm")
+
+    def _judge(self, outputs: Sequence[dict[str, torch.Tensor]], grad_norm: float) -> dict[str, Any]:
+        loss_finite = all(bool(torch.isfinite(v[0])) for out in outputs for v in out.values())
+        reason = self.guard.check(loss_finite, grad_norm)
+        return {"reason": reason_from_code(D.all_reduce_max(reason_code(reason))), "grad_norm": grad_norm}
+
+    def _skip_known(self, step: int) -> dict[str, float]:
+        """Consume a batch in ``skipped_steps`` without computing it (no update, the schedule does not advance)."""
+        log.warning("step %d: batch skipped (found bad before a rollback)", step + 1)
+        self.verdict = None
+        nan = float("nan")
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        return {**{n: nan for n in self.step.metric_names}, "grad_norm": nan, "lr": lr, "skipped": 1.0}
+
+    def _handle_bad_step(self) -> bool:
+        """Apply ``nan_policy`` to the step just run (at ``self.iteration``); True when it rolled back."""
+        verdict, self.verdict = self.verdict, None
+        index = self.iteration
+        if verdict is None:
+            return False
+        if verdict["reason"] is None:
+            self.guard.good(index, verdict["grad_norm"])
+            return False
+        in_a_row = self.guard.bad(index)
+        policy = self.stage.nan_policy
+        if in_a_row >= self.stage.max_bad_steps:
+            policy = "stop"
+        back_to = self._rollback(index) if policy == "rollback" else None
+        action = "skip" if policy == "rollback" and back_to is None else policy
+        self._report_bad_step(index + 1, verdict, action, back_to)
+        if action == "stop":
+            raise BadStepError(
+                f"step {index + 1}: {verdict['reason']} (grad norm {verdict['grad_norm']:.4g}); "
+                f"{in_a_row} bad step(s) in a row, stopping (nan_policy={self.stage.nan_policy}, "
+                f"max_bad_steps={self.stage.max_bad_steps})"
+            )
+        return action == "rollback"
+
+    def _report_bad_step(self, step: int, verdict: dict[str, Any], action: str, back_to: int | None) -> None:
+        record = {"kind": "bad_step", "step": step, "reason": verdict["reason"], "action": action}
+        record |= {"grad_norm": verdict["grad_norm"]} | ({"to_step": back_to} if back_to is not None else {})
+        self.metrics.write(record)
+        where = f" to the checkpoint of step {back_to}" if back_to is not None else ""
+        log.warning(
+            "bad step %d: %s (grad norm %.4g); %s%s",
+            step,
+            verdict["reason"],
+            verdict["grad_norm"],
+            action,
+            where,
+        )
+
+    def _rollback(self, index: int) -> int | None:
+        """Reload the newest checkpoint and skip step ``index``'s batch from now on; its step, or None (none)."""
+        self.skipped_steps.add(index + 1)
+        if self.checkpointer is None:
+            return None
+        state = self.checkpointer.reload_latest(self.chunks, self.optimizer, self.scheduler)
+        if state is None:
+            return None
+        self.iteration = int(state["iteration"])
+        self.skipped_steps |= set(state.get("skipped_steps", []))
+        self.guard.norms = [float(x) for x in state.get("bad_steps", {}).get("norms", [])]
+        return self.iteration
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
@@ -286,15 +460,59 @@ class Trainer:
 
     def state(self) -> dict[str, Any]:
         """The trainer's resumable values (plain, equal on every rank; checkpoint.save adds RNG states)."""
-        return {"iteration": self.iteration, "consumed_samples": self.iteration * self.global_batch}
+        return {
+            "iteration": self.iteration,
+            "consumed_samples": self.iteration * self.global_batch,
+            "skipped_steps": sorted(self.skipped_steps),
+            "bad_steps": self.guard.state(),
+        }
 
     def restore(self, init_weights: bool = True) -> None:
-        """Resume (model, optimizer, scheduler, RNG, iteration) or load init_from weights via the checkpointer."""
+        """Resume (model, optimizer, scheduler, RNG, iteration) or load init_from weights via the checkpointer.
+
+        On a resume, the steps lost since the last run's furthest step and the time from its last step to
+        now are written as a ``resume`` metrics record (the progress file says where the last run got to).
+        """
         if self.checkpointer is None:
             return
         state = self.checkpointer.restore(self.chunks, self.optimizer, self.scheduler, init_weights)
-        if state is not None:
-            self.iteration = int(state["iteration"])
+        if state is None:
+            return
+        self.iteration = int(state["iteration"])
+        self.skipped_steps = set(state.get("skipped_steps", []))
+        self.guard.load_state(state.get("bad_steps", {}))
+        reached, at = self._read_progress()
+        self.resume_info = {
+            "kind": "resume",
+            "from_step": self.iteration,
+            "reached_step": reached,
+            "steps_lost": max(reached - self.iteration, 0),
+            "down_s": time.time() - at if at else None,
+        }
+        self.metrics.write(self.resume_info)
+
+    @property
+    def progress_path(self) -> Path | None:
+        return self.checkpointer.root.parent / "progress.json" if self.checkpointer else None
+
+    def _read_progress(self) -> tuple[int, float | None]:
+        p = self.progress_path
+        if p is None or not p.exists():
+            return self.iteration, None
+        try:
+            data = json.loads(p.read_text())
+            return int(data["step"]), float(data["time"])
+        except (ValueError, KeyError):
+            return self.iteration, None
+
+    def _write_progress(self) -> None:
+        """Rank 0 notes the step reached (temp + rename: a reader never sees half a file)."""
+        p = self.progress_path
+        if p is None or not D.is_rank0():
+            return
+        tmp = p.with_name(".progress.json.tmp")
+        tmp.write_text(json.dumps({"step": self.iteration, "time": time.time()}))
+        os.replace(tmp, p)
 
     def _stop(self) -> bool:
         """Agreed over all ranks every step, so all stop (and save) at the same step."""
@@ -314,11 +532,14 @@ class Trainer:
         while self.iteration < st.iters and not stop:
             self._beat()
             if self.faults:
-                self.faults.check("step", self.iteration + 1)
+                self._poison = self.faults.check("step", self.iteration + 1) == "nan"
             t_step = time.time()
             last = self.train_step(self.iteration)
+            if self._handle_bad_step():
+                continue
             self.iteration += 1
             self.history.append(last)
+            self._write_progress()
             self._log_train(last, time.time() - t_step)
             s = self.iteration
             if st.eval_interval and s % st.eval_interval == 0 and s < st.iters:
@@ -326,9 +547,22 @@ class Trainer:
             stop = self._stop()
             self._beat()
             if self.checkpointer is not None:
+                self.checkpointer.finalize()
+                saved = len(self.checkpointer.save_seconds)
                 self.checkpointer.maybe_save(
                     s, s == st.iters, stop, self.chunks, self.optimizer, self.scheduler, self.state()
                 )
+                if len(self.checkpointer.save_seconds) > saved:
+                    self.metrics.write(
+                        {
+                            "kind": "checkpoint",
+                            "step": s,
+                            "save_s": self.checkpointer.save_seconds[-1],
+                            "async": self.checkpointer.async_save and not (stop or s == st.iters),
+                        }
+                    )
+        if self.checkpointer is not None:
+            self.checkpointer.finalize(blocking=True)
         if stop and self.iteration < st.iters:
             signum = self.stop_flag.signum if self.stop_flag else None
             self.metrics.write(
@@ -343,6 +577,8 @@ class Trainer:
         saved = self.checkpointer.last_saved if self.checkpointer else None
         return {
             "steps": self.iteration,
+            "resume": self.resume_info,
+            "checkpoint_save_s": self.checkpointer.save_seconds if self.checkpointer else [],
             "final_loss": last.get("loss"),
             "valid": valid,
             "stopped": self.iteration < st.iters,
@@ -376,6 +612,22 @@ class Trainer:
         if out is not None:
             self.metrics.write({"kind": "valid", "step": step, **out})
         return out
+
+
+def _poisoned(step: Any) -> Any:
+    """``step`` with its loss, and so every gradient, multiplied by NaN (the ``nan`` fault, on ranks computing a loss)."""
+
+    def forward(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+        output, loss_func = step(data_iterator, model)
+
+        def poisoned_loss(*args: Any) -> Any:
+            loss, count, reported = loss_func(*args)
+            nan_sum = {k: v * v.new_tensor([float("nan"), 1.0]) for k, v in reported.items()}
+            return loss * float("nan"), count, nan_sum
+
+        return output, poisoned_loss
+
+    return forward
 
 
 # ---------------------------------------------------------------------------- DPO reference log-probs

@@ -1,0 +1,288 @@
+"""Eval: held-out perplexity, task accuracy by greedy generation and preference accuracy, per trained model.
+
+For each stage named in ``eval.models`` whose output is in ``ctx.inputs``, the newest verified checkpoint
+under ``<stage>/checkpoints`` is loaded (weights only) into one model built from ``cfg.model`` (on one rank,
+``eval.parallel``), and scored on data_prep's held-out files:
+
+- perplexity: ``exp(mean next-token NLL)`` over up to ``eval.perplexity_batches x eval.batch_size`` samples
+  of ``text_valid`` (megatron GPTDataset, ``model.seq_length`` tokens each);
+- task accuracy: greedy generation (no KV cache: the forward pass is re-run on the growing sequences)
+  from ``<|user|>{prompt}<|assistant|>`` until eod or ``eval.max_new_tokens``, on the first
+  ``eval.num_task_examples`` lines of ``eval_task.jsonl``, scored by ``stages.tasks.is_correct``;
+- preference accuracy: the fraction of ``eval_pref.jsonl`` pairs where the summed log-prob of the chosen
+  response (and its eod) exceeds the rejected one's.
+
+``results.json`` (written atomically to ``ctx.out_dir``), format 1::
+
+    {
+      "format": 1,
+      "settings": {"seq_length", "batch_size", "perplexity_batches", "num_task_examples", "max_new_tokens"},
+      "data": {"dir", "task", "max_operand", "valid_tokens", "task_examples", "pref_pairs"},
+      "models": {
+        "<stage>": {
+          "checkpoint": "<path of iter_NNNNNNN>", "iteration": int,
+          "valid_loss": float, "perplexity": float,   (null when a score has no data)
+          "task_accuracy": float, "task_correct": int,
+          "pref_accuracy": float, "pref_margin": float (mean logp(chosen) - logp(rejected)),
+          "samples": [{"prompt", "answer", "generated", "correct"}, ...]  (first 5)
+        }
+      },
+      "skipped": {"<stage>": "<reason>"}   (in eval.models but not in the run, or no checkpoint)
+    }
+
+One ``{"kind": "eval", "model", "perplexity", "task_accuracy", "pref_accuracy"}`` line per model goes to
+``metrics.jsonl``, and a comparison table is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import PipelineConfig
+from stages import tasks
+from stages.context import MetricsWriter, StageContext
+
+RESULTS = "results.json"
+NUM_SAMPLES = 5
+"""Generated answers kept per model in results.json, for reading."""
+
+
+def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
+    from stages.engine import distributed as D
+    from stages.engine.checkpoint import find_latest, load_weights
+    from stages.engine.data import load_tokenizer, read_manifest
+    from stages.engine.model import build_model
+
+    if "data_prep" not in ctx.inputs:
+        raise ValueError("eval: needs the data_prep stage's outputs (ctx.inputs['data_prep'])")
+    data = Path(ctx.inputs["data_prep"])
+    manifest = read_manifest(data, verify=False)
+    ev, seq = cfg.eval, cfg.model.seq_length
+    D.init(ev.parallel.tp, ev.parallel.pp, seed=cfg.data.seed, threads=ev.threads)
+    try:
+        tok = load_tokenizer(data / "tokenizer.json")
+        sets = _load_sets(data, tok, cfg)
+        chunks = build_model(cfg.model, ev.parallel, tok.vocab_size)
+        model = chunks[0]
+        model.eval()
+        results: dict[str, Any] = {}
+        skipped: dict[str, str] = {}
+        for stage in ev.models:
+            if stage not in ctx.inputs:
+                skipped[stage] = "not in this run"
+                continue
+            ckpt = find_latest(Path(ctx.inputs[stage]) / "checkpoints")
+            if ckpt is None:
+                skipped[stage] = f"no verified checkpoint under {ctx.inputs[stage]}/checkpoints"
+                continue
+            load_weights(ckpt, chunks)
+            results[stage] = {
+                "checkpoint": str(ckpt),
+                "iteration": _iteration(ckpt),
+                **evaluate(model, tok, sets, cfg),
+            }
+    finally:
+        D.shutdown()
+
+    out = {
+        "format": 1,
+        "settings": {
+            "seq_length": seq,
+            "batch_size": ev.batch_size,
+            "perplexity_batches": ev.perplexity_batches,
+            "num_task_examples": ev.num_task_examples,
+            "max_new_tokens": ev.max_new_tokens,
+        },
+        "data": {
+            "dir": str(data),
+            "task": manifest["task"]["name"],
+            "max_operand": manifest["task"]["max_operand"],
+            "valid_tokens": sets["valid_tokens"],
+            "task_examples": len(sets["task"]),
+            "pref_pairs": len(sets["pref"]),
+        },
+        "models": results,
+        "skipped": skipped,
+    }
+    if D.is_rank0():
+        _write_results(ctx, out)
+        print(format_table(out), flush=True)
+    summary = {
+        k: {m: v[m] for m in ("perplexity", "task_accuracy", "pref_accuracy")} for k, v in results.items()
+    }
+    return {"results": str(Path(ctx.out_dir) / RESULTS), "models": summary, "skipped": skipped}
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def _load_sets(data: Path, tok: Any, cfg: PipelineConfig) -> dict[str, Any]:
+    from stages.engine.data import preference_source, read_jsonl, valid_source
+
+    ev, seq = cfg.eval, cfg.model.seq_length
+    valid = valid_source(data / "text_valid", tok, seq, cfg.data.seed)  # None: no validation text
+    n_valid = 0 if valid is None else min(len(valid), ev.perplexity_batches * ev.batch_size)
+    valid_items = [valid[i] for i in range(n_valid)] if valid is not None else []
+    task = read_jsonl(data / "eval_task.jsonl", ("prompt", "answer"))[: ev.num_task_examples]
+    pref = preference_source(data / "eval_pref.jsonl", tok, seq, cfg.data.seed)
+    pref_items = [pref[i] for i in range(len(pref))]
+    return {
+        "valid": valid_items,
+        "valid_tokens": int(sum(x["loss_mask"].sum() for x in valid_items)),
+        "task": task,
+        "pref": pref_items,
+    }
+
+
+# ---------------------------------------------------------------------------- scoring
+
+
+def evaluate(model: Any, tok: Any, sets: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
+    """All three scores of the weights now in ``model``."""
+    import torch
+
+    bs = cfg.eval.batch_size
+    with torch.no_grad():
+        nll, count = 0.0, 0.0
+        for i in range(0, len(sets["valid"]), bs):
+            batch = _stack(sets["valid"][i : i + bs])
+            per_token = _nll(model, batch["tokens"], batch["labels"])
+            nll += float((per_token * batch["loss_mask"]).sum())
+            count += float(batch["loss_mask"].sum())
+        valid_loss = nll / count if count else None
+
+        margins: list[float] = []
+        for i in range(0, len(sets["pref"]), bs):
+            batch = _stack(sets["pref"][i : i + bs])  # [b, 2, s]
+            per_token = _nll(model, batch["tokens"].flatten(0, 1), batch["labels"].flatten(0, 1))
+            logp = -(per_token.reshape(batch["loss_mask"].shape) * batch["loss_mask"]).sum(-1)
+            margins += (logp[:, 0] - logp[:, 1]).tolist()
+
+        samples: list[dict[str, Any]] = []
+        for i in range(0, len(sets["task"]), bs):
+            recs = sets["task"][i : i + bs]
+            outs = generate(
+                model, tok, [r["prompt"] for r in recs], cfg.eval.max_new_tokens, cfg.model.seq_length
+            )
+            samples += [
+                {
+                    "prompt": r["prompt"],
+                    "answer": r["answer"],
+                    "generated": o,
+                    "correct": tasks.is_correct(o, r["answer"]),
+                }
+                for r, o in zip(recs, outs)
+            ]
+    correct = sum(s["correct"] for s in samples)
+    return {
+        "valid_loss": valid_loss,
+        "perplexity": math.exp(valid_loss) if valid_loss is not None else None,
+        "task_accuracy": correct / len(samples) if samples else None,
+        "task_correct": correct,
+        "pref_accuracy": float(np.mean([m > 0 for m in margins])) if margins else None,
+        "pref_margin": float(np.mean(margins)) if margins else None,
+        "samples": samples[:NUM_SAMPLES],
+    }
+
+
+def _stack(items: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+    import torch
+
+    return {k: torch.from_numpy(np.stack([x[k] for x in items])) for k in items[0]}
+
+
+def _nll(model: Any, tokens: Any, labels: Any) -> Any:
+    """Per-token next-token NLL [b, s] (megatron computes it from labels)."""
+    import torch
+
+    b, s = tokens.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    return model(tokens, pos, None, labels=labels).float()
+
+
+def generate(model: Any, tok: Any, prompts: list[str], max_new_tokens: int, seq_length: int) -> list[str]:
+    """Greedy continuations of ``<|user|>{prompt}<|assistant|>`` up to eod (not included) or ``max_new_tokens``.
+
+    The batch is right-padded: with causal attention, pad positions after a sequence's end do not change
+    the logits at its last real token, which is the one read.
+    """
+    import torch
+
+    seqs = [tok.prompt_ids(p)[-(seq_length - max_new_tokens) :] for p in prompts]
+    new: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for _ in range(max_new_tokens):
+        if all(done):
+            break
+        width = max(len(s) for s in seqs)
+        tokens = torch.full((len(seqs), width), tok.pad, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = torch.tensor(s)
+        pos = torch.arange(width).unsqueeze(0).expand(len(seqs), width)
+        logits = model(tokens, pos, None)  # [b, s, padded vocab]
+        last = torch.tensor([len(s) - 1 for s in seqs])
+        nxt = logits[torch.arange(len(seqs)), last, : tok.vocab_size].argmax(-1).tolist()
+        for i, t in enumerate(nxt):
+            if done[i]:
+                continue
+            if t == tok.eod:
+                done[i] = True
+                continue
+            seqs[i].append(t)
+            new[i].append(t)
+    return [tok.decode(ids) for ids in new]
+
+
+def _iteration(ckpt: Path) -> int | None:
+    m = re.search(r"iter_(\d+)$", str(ckpt))
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def _write_results(ctx: StageContext, out: dict[str, Any]) -> None:
+    path = Path(ctx.out_dir) / RESULTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{RESULTS}.tmp")
+    tmp.write_text(json.dumps(out, indent=2) + "\n")
+    os.replace(tmp, path)
+    metrics = MetricsWriter(ctx.metrics_path)
+    for stage, r in out["models"].items():
+        metrics.write(
+            {
+                "kind": "eval",
+                "model": stage,
+                "perplexity": r["perplexity"],
+                "task_accuracy": r["task_accuracy"],
+                "pref_accuracy": r["pref_accuracy"],
+            }
+        )
+
+
+def format_table(out: dict[str, Any]) -> str:
+    """The models side by side: perplexity, task accuracy, preference accuracy."""
+    d = out["data"]
+    lines = [
+        f"eval on {d['valid_tokens']} valid tokens, {d['task_examples']} task prompts, {d['pref_pairs']} preference pairs",
+        f"{'model':<10} {'iter':>6} {'ppl':>9} {'task acc':>9} {'pref acc':>9}",
+    ]
+
+    def cell(value: float | None, fmt: str) -> str:
+        return f"{'-' if value is None else format(value, fmt):>9}"
+
+    for stage, r in out["models"].items():
+        lines.append(
+            f"{stage:<10} {r['iteration'] or 0:>6} {cell(r['perplexity'], '.2f')} "
+            f"{cell(r['task_accuracy'], '.1%')} {cell(r['pref_accuracy'], '.1%')}"
+        )
+    for stage, why in out["skipped"].items():
+        lines.append(f"{stage:<10} skipped: {why}")
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""The generated, program-checkable task used for SFT, DPO and eval: small-integer arithmetic.
+
+A problem is ``a + b`` or ``a - b`` (with ``a >= b``, so answers are never negative), operands drawn
+uniformly from ``[0, max_operand]``. The prompt is ``"What is 23 + 45?"`` and the answer is the plain
+decimal ``"68"``; the tokenizer splits digits one per token, so the model writes answers digit by digit.
+
+Why this task and these sizes: the default run trains a ~1M-parameter GPT (4 layers, width 128) for
+300 pretraining steps and 150 SFT steps of batch 16 (2,400 SFT examples) on CPU, and must reach
+>= 30% exact match on held-out prompts. Two-digit addition with carries is at the edge of what such a
+model learns in 2,400 examples; small operands (``data.max_operand``) keep it learnable, and the same
+problems written as plain text (``task_mix_fraction`` of the pretraining documents) teach the model the
+digits and the prompt wording before SFT. The measured accuracies for several operand ranges are in
+the data-prep report (docs/ARCHITECTURE.md, "Outputs of data_prep").
+
+Held-out prompts (``eval_task.jsonl``, ``eval_pref.jsonl``) never appear in any training file: they
+are drawn first, and every training problem is drawn from the rest of the problem space.
+
+Rejected answers for preference pairs are near misses a weak model could plausibly produce
+(:func:`near_misses`): off by one, off by ten, two adjacent digits swapped, the carry (or borrow)
+dropped. Everything here is deterministic given the seed (numpy PCG64).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+OPS: tuple[str, ...] = ("+", "-")
+"""Operations drawn with equal probability."""
+
+MISS_KINDS: tuple[str, ...] = ("off_by_one", "off_by_ten", "swapped_digits", "carry_dropped")
+"""Kinds of near-miss wrong answers used as DPO rejections."""
+
+_PROMPT_RE = re.compile(r"^What is (\d+) ([+-]) (\d+)\?$")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One arithmetic problem."""
+
+    a: int
+    op: str
+    b: int
+
+    @property
+    def prompt(self) -> str:
+        return f"What is {self.a} {self.op} {self.b}?"
+
+    @property
+    def value(self) -> int:
+        return self.a + self.b if self.op == "+" else self.a - self.b
+
+    @property
+    def answer(self) -> str:
+        return str(self.value)
+
+    def as_text(self) -> str:
+        """The problem as one line of plain pretraining text."""
+        return f"{self.prompt} {self.answer}"
+
+
+def parse_prompt(prompt: str) -> Problem:
+    """Inverse of ``Problem.prompt`` (ValueError if ``prompt`` is not a task prompt)."""
+    m = _PROMPT_RE.match(prompt.strip())
+    if not m:
+        raise ValueError(f"not an arithmetic task prompt: {prompt!r}")
+    return Problem(int(m.group(1)), m.group(2), int(m.group(3)))
+
+
+def is_correct(answer_text: str, expected: str | int) -> bool:
+    """Exact match of a generated answer: surrounding whitespace and one trailing period are ignored."""
+    text = answer_text.strip()
+    if text.endswith("."):
+        text = text[:-1].rstrip()
+    return text == str(int(expected))
+
+
+def space_size(max_operand: int) -> int:
+    """Number of distinct prompts: (n+1)^2 additions plus (n+1)(n+2)/2 subtractions with a >= b."""
+    n = max_operand + 1
+    return n * n * ("+" in OPS) + (n * (n + 1) // 2) * ("-" in OPS)
+
+
+def random_problem(rng: np.random.Generator, max_operand: int) -> Problem:
+    op = OPS[int(rng.integers(len(OPS)))]
+    a, b = (int(x) for x in rng.integers(0, max_operand + 1, size=2))
+    if op == "-" and a < b:
+        a, b = b, a
+    return Problem(a, op, b)
+
+
+@dataclass
+class TaskSplit:
+    """Held-out problems and a sampler for training problems that never returns a held-out prompt."""
+
+    held_out: list[Problem]
+    max_operand: int
+
+    def __post_init__(self) -> None:
+        self._held = {p.prompt for p in self.held_out}
+
+    def train_problems(self, n: int, rng: np.random.Generator) -> list[Problem]:
+        """``n`` training problems (with repeats when the space is small), none of them held out."""
+        out: list[Problem] = []
+        while len(out) < n:
+            p = random_problem(rng, self.max_operand)
+            if p.prompt not in self._held:
+                out.append(p)
+        return out
+
+
+def make_split(num_held_out: int, max_operand: int, rng: np.random.Generator) -> TaskSplit:
+    """Draw ``num_held_out`` distinct held-out problems, at most a quarter of the problem space."""
+    n = min(num_held_out, space_size(max_operand) // 4)
+    seen: dict[str, Problem] = {}
+    while len(seen) < n:
+        p = random_problem(rng, max_operand)
+        seen.setdefault(p.prompt, p)
+    return TaskSplit(held_out=list(seen.values()), max_operand=max_operand)
+
+
+# ---------------------------------------------------------------------------- near misses
+
+
+def _carry_dropped(p: Problem) -> int:
+    """Digit-wise result without carries (addition) or borrows (subtraction)."""
+    a, b = str(p.a), str(p.b)
+    width = max(len(a), len(b))
+    a, b = a.rjust(width, "0"), b.rjust(width, "0")
+    digits = [
+        (int(x) + int(y)) % 10 if p.op == "+" else (int(x) - int(y)) % 10 for x, y in zip(a, b, strict=True)
+    ]
+    return int("".join(map(str, digits)))
+
+
+def near_misses(p: Problem) -> dict[str, int]:
+    """Every applicable near-miss kind and its wrong value (never the right one, never negative)."""
+    v = p.value
+    out: dict[str, int] = {
+        "off_by_one": v + 1 if v == 0 else v - 1,
+        "off_by_ten": v + 10 if v < 10 else v - 10,
+    }
+    s = str(v)
+    swaps = [
+        int(s[:i] + s[i + 1] + s[i] + s[i + 2 :])
+        for i in range(len(s) - 1)
+        if s[i] != s[i + 1] and not (i == 0 and s[1] == "0")
+    ]
+    if swaps:
+        out["swapped_digits"] = swaps[0]
+    cd = _carry_dropped(p)
+    if cd != v:
+        out["carry_dropped"] = cd
+    return out
+
+
+def near_miss(p: Problem, rng: np.random.Generator) -> tuple[str, str]:
+    """A (kind, wrong answer text) pair, the kind chosen uniformly among the applicable ones."""
+    options = near_misses(p)
+    kinds = [k for k in MISS_KINDS if k in options]
+    kind = kinds[int(rng.integers(len(kinds)))]
+    return kind, str(options[kind])
+
+
+def miss_kind(p: Problem, wrong: str) -> str | None:
+    """Which near-miss kind ``wrong`` is for ``p`` (None if it is not a near miss)."""
+    for kind, value in near_misses(p).items():
+        if str(value) == wrong.strip():
+            return kind
+    return None
+
+
+# ---------------------------------------------------------------------------- records
+
+
+def sft_record(p: Problem) -> dict[str, str]:
+    return {"prompt": p.prompt, "response": p.answer}
+
+
+def pref_record(p: Problem, rng: np.random.Generator) -> dict[str, str]:
+    _, wrong = near_miss(p, rng)
+    return {"prompt": p.prompt, "chosen": p.answer, "rejected": wrong}
+
+
+def eval_record(p: Problem) -> dict[str, str]:
+    return {"prompt": p.prompt, "answer": p.answer}
+
+
+def text_document(problems: list[Problem]) -> str:
+    """Several problems as a plain-text pretraining document, one per line."""
+    return "\n".join(p.as_text() for p in problems)

@@ -1,0 +1,150 @@
+"""Sample sources of stages.engine.data: SFT / preference masks, epochs, megatron GPTDataset on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stages import data_prep, tasks
+from stages.engine.data import (
+    Tokenizer,
+    collate,
+    preference_source,
+    pretrain_source,
+    sample_range,
+    sft_source,
+    valid_source,
+)
+
+TEXT = [
+    f"Line {i}: the quick brown fox jumps over {i * 7} lazy dogs.\n\nAnd then it slept." for i in range(60)
+]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    problems = [tasks.Problem(a, "+", b) for a in range(12) for b in range(12)]
+    return Tokenizer(data_prep.train_tokenizer(TEXT + [tasks.text_document(problems)], 300))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tok: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("data")
+    for split, docs in (("train", TEXT[:50]), ("valid", TEXT[50:])):
+        data_prep.write_shard(tok, docs, d / f"shard-{split}", np.uint16)
+        data_prep.merge_shards([d / f"shard-{split}"], d / f"text_{split}", np.uint16)
+    rng = np.random.default_rng(0)
+    probs = [tasks.Problem(int(a), "+", int(b)) for a, b in rng.integers(0, 60, size=(30, 2))]
+    (d / "sft.jsonl").write_text("".join(json.dumps(tasks.sft_record(p)) + "\n" for p in probs))
+    (d / "pref.jsonl").write_text("".join(json.dumps(tasks.pref_record(p, rng)) + "\n" for p in probs))
+    return d
+
+
+def test_sft_loss_mask_covers_response_and_eod_only(tok: Tokenizer, data_dir: Path) -> None:
+    src = sft_source(data_dir / "sft.jsonl", tok, 32, seed=3)
+    recs = [json.loads(line) for line in (data_dir / "sft.jsonl").read_text().splitlines()]
+    assert len(src) == len(recs) and src.num_truncated == 0
+    for i in range(len(src)):
+        item = src[i]
+        assert {k: (v.dtype, v.shape) for k, v in item.items()} == {
+            "tokens": (np.int64, (32,)),
+            "labels": (np.int64, (32,)),
+            "loss_mask": (np.float32, (32,)),
+            "position_ids": (np.int64, (32,)),
+        }
+        toks, labels, mask = item["tokens"], item["labels"], item["loss_mask"]
+        assert np.array_equal(
+            labels[:-1][toks[1:] != tok.pad], toks[1:][toks[1:] != tok.pad]
+        )  # shifted by one
+        n_prompt = int(np.argmax(toks == tok.assistant)) + 1
+        prompt = tok.decode(toks[1 : n_prompt - 1])
+        rec = next(r for r in recs if r["prompt"] == prompt)
+        assert tok.decode(labels[mask > 0]) == rec["response"] + "<|endoftext|>"
+        assert mask[: n_prompt - 1].sum() == 0 and mask[toks == tok.pad].sum() == 0
+        assert toks[0] == tok.user and (toks[n_prompt:][mask[n_prompt:] == 0] == tok.pad).all()
+
+
+def test_sft_truncates_long_examples_with_a_count(tok: Tokenizer, data_dir: Path) -> None:
+    with pytest.warns(UserWarning, match="truncated"):
+        src = sft_source(data_dir / "sft.jsonl", tok, 8, seed=0)
+    assert src.num_truncated == len(src)
+    assert src[0]["tokens"].shape == (8,)
+
+
+def test_preference_pairs_differ_only_in_response(tok: Tokenizer, data_dir: Path) -> None:
+    src = preference_source(data_dir / "pref.jsonl", tok, 32, seed=1)
+    for i in range(len(src)):
+        item = src[i]
+        assert item["tokens"].shape == (2, 32) and item["loss_mask"].dtype == np.float32
+        n_prompt = int(np.argmax(item["tokens"][0] == tok.assistant)) + 1
+        assert np.array_equal(item["tokens"][0, :n_prompt], item["tokens"][1, :n_prompt])
+        chosen, rejected = (tok.decode(item["labels"][r][item["loss_mask"][r] > 0]) for r in (0, 1))
+        assert chosen != rejected and chosen.endswith("<|endoftext|>") and rejected.endswith("<|endoftext|>")
+        problem = tasks.parse_prompt(tok.decode(item["tokens"][0, 1 : n_prompt - 1]))
+        assert chosen.removesuffix("<|endoftext|>") == problem.answer
+        assert tasks.miss_kind(problem, rejected.removesuffix("<|endoftext|>")) is not None
+
+
+def test_any_index_is_valid_and_epochs_are_seeded_permutations(tok: Tokenizer, data_dir: Path) -> None:
+    src = sft_source(data_dir / "sft.jsonl", tok, 32, seed=5)
+    n = len(src)
+    epoch = [tuple(src[i]["tokens"]) for i in range(n)]
+    epoch2 = [tuple(src[n + i]["tokens"]) for i in range(n)]
+    assert sorted(epoch) == sorted(epoch2) and epoch != epoch2
+    again = sft_source(data_dir / "sft.jsonl", tok, 32, seed=5)
+    assert all(np.array_equal(again[i]["tokens"], src[i]["tokens"]) for i in (0, 7, n + 3, 10 * n + 1))
+    with pytest.raises(IndexError):
+        src[-1]
+
+
+def test_pretrain_and_valid_sources_on_gpt_dataset(tok: Tokenizer, data_dir: Path) -> None:
+    src = pretrain_source(data_dir / "text_train", tok, 16, num_samples=100, seed=1)
+    assert len(src) >= 100
+    item = src[0]
+    assert {k: v.dtype for k, v in item.items()} == {
+        "tokens": np.int64,
+        "labels": np.int64,
+        "loss_mask": np.float32,
+        "position_ids": np.int64,
+    }
+    assert item["tokens"].shape == (16,) and np.array_equal(item["tokens"][1:], item["labels"][:-1])
+    assert np.array_equal(src[5 * len(src) + 2]["tokens"], src[5 * len(src) + 2]["tokens"])
+    again = pretrain_source(data_dir / "text_train", tok, 16, num_samples=100, seed=1)
+    assert np.array_equal(again[3]["tokens"], src[3]["tokens"])
+    assert (data_dir / "cache").is_dir()
+    val = valid_source(data_dir / "text_valid", tok, 16, seed=1)
+    assert 0 < len(val) < len(src)
+
+
+def test_pretrain_source_with_torch_distributed_initialised(
+    tok: Tokenizer, data_dir: Path, tmp_path: Path
+) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        src = pretrain_source(data_dir / "text_train", tok, 16, num_samples=50, seed=2)
+        assert len(src) >= 50 and src[60]["tokens"].shape == (16,)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sample_range_follows_the_global_sample_index() -> None:
+    assert sample_range(0, 16) == range(0, 16)
+    assert sample_range(3, 16, dp_rank=1, dp_size=2) == range(56, 64)
+    assert [i for r in range(4) for i in sample_range(2, 8, r, 4)] == list(range(16, 24))
+    with pytest.raises(ValueError):
+        sample_range(0, 10, 0, 3)
+    batch = collate([{"x": np.zeros(3)}, {"x": np.ones(3)}])
+    assert batch["x"].shape == (2, 3)
+
+
+def test_valid_source_of_an_empty_dataset_is_none(tok: Tokenizer, tmp_path: Path) -> None:
+    data_prep.write_shard(tok, [], tmp_path / "shard", np.uint16)
+    data_prep.merge_shards([tmp_path / "shard"], tmp_path / "text_valid", np.uint16)
+    assert valid_source(tmp_path / "text_valid", tok, 16, seed=0) is None

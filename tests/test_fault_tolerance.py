@@ -1,0 +1,177 @@
+"""Kill, signal and hang the pretrain stage through the real command line; every resume is exact.
+
+Each scenario runs ``python -m pipeline`` (local executor, separate processes) with ``PIPELINE_FAULT``
+(stages/engine/faults.py), re-runs the same command until it completes, and compares the final
+checkpoint's tensors (model and optimizer) bit for bit with an uninterrupted run of the same layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.ledger import Ledger
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = [
+    "experiment=tiny",
+    "run.stages=[data_prep,pretrain]",
+    "pretrain.save_interval=2",
+    "pretrain.hang_timeout_s=60",
+]
+DP2 = ["pretrain.parallel.dp=2", "pretrain.parallel.distributed_optimizer=true"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def run(root: Path, *overrides: str, fault: str = "") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PIPELINE_FAULT": fault}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *BASE, f"run.root={root}", *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def run_dir(root: Path) -> Path:
+    (d,) = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return d
+
+
+def final_tensors(root: Path) -> dict[str, torch.Tensor]:
+    from stages.engine.checkpoint import find_latest, load_tensors
+
+    latest = find_latest(run_dir(root) / "stages" / "pretrain" / "checkpoints", collective=False)
+    assert latest is not None and latest.name == "iter_0000006", latest
+    return load_tensors(latest)
+
+
+def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    diff = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not diff, f"tensors differ: {diff[:5]}"
+
+
+def until_done(
+    root: Path, overrides: list[str], fault: str, max_runs: int = 6
+) -> list[subprocess.CompletedProcess[str]]:
+    runs = []
+    for _ in range(max_runs):
+        r = run(root, *overrides, fault=fault)
+        runs.append(r)
+        if r.returncode == 0:
+            return runs
+    raise AssertionError(
+        "never completed:\n" + "\n----\n".join(x.stdout[-1500:] + x.stderr[-1500:] for x in runs)
+    )
+
+
+def metrics(root: Path) -> list[dict]:
+    path = run_dir(root) / "stages" / "pretrain" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run root whose data_prep completed once; scenarios copy it instead of preparing data again."""
+    root = tmp_path_factory.mktemp("data")
+    r = run(root, "run.stages=[data_prep]")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return root
+
+
+def seeded(data_root: Path, dest: Path) -> Path:
+    src = run_dir(data_root)
+    target = dest / src.name
+    shutil.copytree(src / "stages" / "data_prep", target / "stages" / "data_prep")
+    (target / "ledger").mkdir(parents=True)
+    shutil.copy(src / "ledger" / "data_prep.json", target / "ledger" / "data_prep.json")
+    return dest
+
+
+@pytest.fixture(scope="module")
+def baseline_1(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    root = seeded(data_root, tmp_path_factory.mktemp("base1"))
+    until_done(root, [], "", max_runs=1)
+    return final_tensors(root)
+
+
+@pytest.fixture(scope="module")
+def baseline_dp2(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    root = seeded(data_root, tmp_path_factory.mktemp("base2"))
+    until_done(root, DP2, "", max_runs=1)
+    return final_tensors(root)
+
+
+def test_sigkill_at_three_steps_and_mid_checkpoint_write(
+    data_root: Path, baseline_1: dict, tmp_path: Path
+) -> None:
+    root = seeded(data_root, tmp_path)
+    runs = until_done(root, [], "kill@step:2,kill@ckpt_write:4,kill@step:5")
+    assert [r.returncode for r in runs] == [1, 1, 1, 0]
+    ckpts = run_dir(root) / "stages" / "pretrain" / "checkpoints"
+    assert list(ckpts.glob("tmp.iter_0000004.*")), "the killed write's temp dir is left, never taken for good"
+    resumes = [m for m in metrics(root) if m["kind"] == "resume"]
+    assert [r["from_step"] for r in resumes] == [2, 4]  # the kill inside the write of 4 fell back to 2
+    assert_identical(final_tensors(root), baseline_1)
+    status = subprocess.run(
+        [sys.executable, "-m", "pipeline.status", str(run_dir(root))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "attempts 4" in status.stdout and "resumes 2" in status.stdout, status.stdout
+
+
+def test_sigkill_one_of_two_ranks_with_distributed_optimizer(
+    data_root: Path, baseline_dp2: dict, tmp_path: Path
+) -> None:
+    root = seeded(data_root, tmp_path)
+    runs = until_done(root, DP2, "kill@step:3/rank=1,kill@step:5/rank=0")
+    assert [r.returncode for r in runs] == [1, 1, 0]
+    assert_identical(final_tensors(root), baseline_dp2)
+
+
+def test_signals_on_two_ranks_save_at_the_same_step_and_lose_nothing(
+    data_root: Path, baseline_dp2: dict, tmp_path: Path
+) -> None:
+    root = seeded(data_root, tmp_path)
+    runs = until_done(root, DP2, "usr1@step:2/rank=0,usr2@step:3/rank=1,term@step:5/rank=0")
+    assert [r.returncode for r in runs] == [1, 1, 1, 0]
+    for r in runs[:3]:
+        assert "stopped" in (r.stdout + r.stderr), r.stdout[-1500:] + r.stderr[-1500:]
+    resumes = [m for m in metrics(root) if m["kind"] == "resume"]
+    assert [(r["from_step"], r["steps_lost"]) for r in resumes] == [(2, 0), (3, 0), (5, 0)]
+    stops = [m["message"] for m in metrics(root) if m["kind"] == "info" and "stopped" in m.get("message", "")]
+    assert len(stops) == 3
+    ckpts = run_dir(root) / "stages" / "pretrain" / "checkpoints"
+    final = json.loads((ckpts / "iter_0000006" / "COMPLETE.json").read_text())
+    assert {"rng.rank0.pt", "rng.rank1.pt"} <= set(final["files"])
+    assert_identical(final_tensors(root), baseline_dp2)
+
+
+def test_hung_rank_is_detected_dumped_and_exits_with_hang_code(
+    data_root: Path, baseline_dp2: dict, tmp_path: Path
+) -> None:
+    from stages.engine.signals import HANG_EXIT_CODE
+
+    root = seeded(data_root, tmp_path)
+    runs = until_done(root, [*DP2, "pretrain.hang_timeout_s=10"], "hang@step:3/rank=1")
+    assert [r.returncode for r in runs] == [1, 0]
+    logs = "\n".join(p.read_text() for p in (run_dir(root) / "jobs" / "pretrain").rglob("*_log.*"))
+    assert "[watchdog] no progress" in logs
+    assert "_fire" in logs and "faults.py" in logs, "the hung rank's stack is in its log"
+    assert f"exit code {HANG_EXIT_CODE}" in runs[0].stderr or str(HANG_EXIT_CODE) in logs + runs[0].stderr
+    led = Ledger(run_dir(root)).read("pretrain")
+    assert led and led.status == "completed"
+    assert_identical(final_tensors(root), baseline_dp2)
