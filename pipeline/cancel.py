@@ -21,21 +21,26 @@ def cancel_run(run_dir: Path) -> list[str]:
         rec = ledger.read(s)
         if not rec or rec.status not in ACTIVE:
             continue
-        if rec.executor == "slurm":
-            from pipeline.slurm_submit import cancel_jobs
-
-            cancel_jobs(rec.job_ids)
-        elif rec.executor == "local":
-            for j in rec.job_ids:
-                if j.isdigit():
-                    try:
-                        os.kill(int(j), signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
+        # ledger first: a running job stopped by the cancel sees it and neither requeues nor marks itself failed
         ledger.update(s, status=CANCELLED, ended_at=time.time(), error="cancelled by user")
+        _cancel_jobs(rec.executor, rec.job_ids)
         ledger.event("cancelled", s, job_ids=rec.job_ids)
         done.append(s)
     return done
+
+
+def _cancel_jobs(executor: str, job_ids: list[str]) -> None:
+    if executor == "slurm":
+        from pipeline.slurm_submit import cancel_jobs
+
+        cancel_jobs(job_ids)
+    elif executor == "local":
+        for j in job_ids:
+            if j.isdigit():
+                try:
+                    os.kill(int(j), signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,9 +14,9 @@ from typing import TextIO
 
 from pipeline import progress
 from pipeline.config import PipelineConfig, stage_hashes
-from pipeline.graph import dependencies, upstream
+from pipeline.graph import upstream
 from pipeline.launch import make_executor, run_stage, snapshot_code, stage_out_dir
-from pipeline.ledger import COMPLETED, FAILED, SUBMITTED, Ledger
+from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, RUNNING, SUBMITTED, Ledger
 from pipeline.plan import stage_plan
 
 # sacct/squeue states in which a job will still run (or is running).
@@ -74,66 +74,84 @@ def cancel_jobs(job_ids: list[str]) -> None:
 
 
 def submit_graph(cfg: PipelineConfig, run_dir: Path, stages: list[str], *, out: TextIO = sys.stdout) -> int:
-    """Submit ``stages`` (graph order) at once, each with afterok on the ones submitted before it."""
+    """Submit ``stages`` (graph order) at once, each with afterok on its upstream jobs; returns at once
+    unless ``run.follow``."""
     ledger = Ledger(run_dir)
-    hashes = stage_hashes(cfg)
     code_dir = snapshot_code(run_dir)
     jobs: dict[str, str] = {}
     for s in stages:
-        prev = ledger.read(s)
-        if prev and prev.job_ids:
-            cancel_jobs([j for j in prev.job_ids if slurm_job_alive(j)])  # e.g. dependents left pending
-        ex = make_executor(cfg, s, run_dir, code_dir)
-        deps = [jobs[u] for u in dependencies(s, stages) if u in jobs]
-        if deps:
-            ex.update_parameters(dependency="afterok:" + ":".join(deps))
-        job = ex.submit(run_stage, s, cfg.to_dict(), str(run_dir), None)
-        jobs[s] = str(job.job_id)
-        ledger.update(
-            s,
-            status=SUBMITTED,
-            hash=hashes[s],
-            upstream={u: hashes[u] for u in upstream(s)},
-            executor="slurm",
-            job_ids=[jobs[s]],
-            submitted_at=time.time(),
-            started_at=None,
-            ended_at=None,
-            error=None,
-            log=str(job.paths.stdout).replace("%t", "0"),
-            plan=stage_plan(cfg, s).as_dict(),
-            extra={"code_dir": str(code_dir), "dependency": deps},
-        )
-        ledger.event("submitted", s, job_id=jobs[s], dependency=deps)
-        print(f"[{s}] submitted job {jobs[s]}" + (f" (afterok:{','.join(deps)})" if deps else ""), file=out)
+        deps = _dependency_ids(s, jobs, ledger)
+        jobs[s] = _submit_stage(cfg, run_dir, s, code_dir, deps, ledger)
+        print(f"[{s}] submitted job {jobs[s]}" + (f" (afterok:{':'.join(deps)})" if deps else ""), file=out)
     print(f"run directory: {run_dir}\nfollow with: python -m pipeline.status {run_dir}", file=out)
     if cfg.run.follow:
         return follow(cfg, run_dir, stages, out=out)
     return 0
 
 
+def _dependency_ids(stage: str, jobs: dict[str, str], ledger: Ledger) -> list[str]:
+    """Jobs ``stage`` must wait for: its upstream stages submitted now, or still queued/running from before
+    (``decide`` left those alone: a second command while the first one's jobs run)."""
+    deps = []
+    for u in upstream(stage):
+        rec = ledger.read(u)
+        if u in jobs:
+            deps.append(jobs[u])
+        elif rec and rec.status in ACTIVE and rec.job_ids:
+            deps.append(rec.job_ids[-1])
+    return deps
+
+
+def _submit_stage(
+    cfg: PipelineConfig, run_dir: Path, stage: str, code_dir: Path, deps: list[str], ledger: Ledger
+) -> str:
+    """Submit one stage's job (cancelling a leftover of an earlier submission) and record it in the ledger."""
+    prev = ledger.read(stage)
+    if prev and prev.job_ids:
+        cancel_jobs([j for j in prev.job_ids if slurm_job_alive(j)])  # e.g. dependents left pending
+    ex = make_executor(cfg, stage, run_dir, code_dir)
+    if deps:
+        ex.update_parameters(dependency="afterok:" + ":".join(deps))
+    job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), None)
+    job_id = str(job.job_id)
+    hashes = stage_hashes(cfg)
+    ledger.update(
+        stage,
+        status=SUBMITTED,
+        hash=hashes[stage],
+        upstream={u: hashes[u] for u in upstream(stage)},
+        executor="slurm",
+        job_ids=[job_id],
+        submitted_at=time.time(),
+        started_at=None,
+        ended_at=None,
+        error=None,
+        requeues=0,
+        log=str(job.paths.stdout),
+        plan=stage_plan(cfg, stage).as_dict(),
+        extra={"code_dir": str(code_dir), "dependency": deps, "stderr": str(job.paths.stderr)},
+    )
+    ledger.event("submitted", stage, job_id=job_id, dependency=deps)
+    return job_id
+
+
 def follow(
     cfg: PipelineConfig, run_dir: Path, stages: list[str], *, out: TextIO = sys.stdout, poll_s: float = 2.0
 ) -> int:
-    """Wait until every stage completed or one failed, drawing progress from metrics files."""
-    from pipeline.status import view
+    """Wait until every stage completed or one will not, drawing progress from metrics files."""
+    from pipeline.status import run_status
 
-    ledger = Ledger(run_dir)
     followers = {
         s: progress.Follower(s, stage_out_dir(run_dir, s) / "metrics.jsonl", out=out) for s in stages
     }
     while True:
-        pending = []
-        for s in stages:
-            rec = ledger.read(s)
-            if rec and rec.started_at:
+        views = {v.stage: v for v in run_status(run_dir) if v.stage in stages}
+        for s, v in views.items():
+            if v.state in (RUNNING, COMPLETED):
                 followers[s].poll()
-            v = view(rec, s)
-            if v.state in (FAILED, "blocked"):
-                print(f"[{s}] {v.state}: {v.detail}\n  log: {v.log}", file=out)
+            if v.state in (FAILED, CANCELLED, "blocked"):
+                print(f"[{s}] {v.state}: {v.detail}\n  log: {v.stderr or v.log}", file=out)
                 return 1
-            if v.state != COMPLETED:
-                pending.append(s)
-        if not pending:
+        if all(v.state == COMPLETED for v in views.values()):
             return 0
         time.sleep(poll_s)
