@@ -5,8 +5,10 @@ Each run is a fresh process, so torch patches and megatron globals never leak be
 
 SPEC keys: model, parallel, stage (overrides of ModelConfig / ParallelConfig / TrainStage), step
 (pretrain | sft | dpo), samples (source size; = global batch for a repeated batch), vocab, save_weights /
-load_weights (a dist_checkpointing directory for the model weights only), metrics (a metrics.jsonl
-path), out (result file of rank 0; set by launch).
+load_weights (a checkpoint root for the model weights only, every model chunk, written with
+stages.engine.checkpoint), ckpt (a checkpoint root: resume from it and save every ``save_interval``
+steps through the trainer's Checkpointer), save_interval, metrics (a metrics.jsonl path), out (result
+file of rank 0; set by launch).
 """
 
 from __future__ import annotations
@@ -22,8 +24,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch(world: int, spec: dict[str, Any], tmp: Path, timeout_s: float = 600) -> dict[str, Any]:
-    """Run ``world`` ranks of the worker and return rank 0's result (raises with the logs on failure)."""
+def launch(
+    world: int, spec: dict[str, Any], tmp: Path, timeout_s: float = 600, script: Path | None = None
+) -> dict[str, Any]:
+    """Run ``world`` ranks of the worker and return rank 0's result (raises with the logs on failure).
+
+    ``script``: another worker taking ``SPEC.json`` the same way (default: this file).
+    """
     sys.path.insert(0, str(ROOT))
     from stages.engine.distributed import free_port
 
@@ -47,7 +54,7 @@ def launch(world: int, spec: dict[str, Any], tmp: Path, timeout_s: float = 600) 
         }
         log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115
         logs.append(log)
-        cmd = [sys.executable, str(Path(__file__).resolve()), str(spec_path)]
+        cmd = [sys.executable, str(Path(script or __file__).resolve()), str(spec_path)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
     deadline = time.monotonic() + timeout_s
     try:
@@ -70,23 +77,31 @@ def launch(world: int, spec: dict[str, Any], tmp: Path, timeout_s: float = 600) 
 
 
 def _weights(chunks: list[Any], path: str, save: bool) -> None:
-    from megatron.core import dist_checkpointing
+    """Save (as iteration 0) or load the weights of every model chunk under checkpoint root ``path``."""
+    from stages.engine import checkpoint
 
-    from stages.engine.model import unwrap
-
-    model = unwrap(chunks[0])
     if save:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(model.sharded_state_dict(), path)
-    else:
-        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), path))
+        checkpoint.save(Path(path), 0, model_chunks=chunks, optimizer=None, scheduler=None, state={})
+        return
+    latest = checkpoint.find_latest(Path(path))
+    if latest is None:
+        raise FileNotFoundError(f"load_weights={path}: no complete checkpoint there")
+    checkpoint.load_weights(latest, chunks)
+
+
+def _checkpointer(spec: dict[str, Any]) -> Any:
+    from stages.engine.trainer import Checkpointer
+
+    if not spec.get("ckpt"):
+        return None
+    return Checkpointer(Path(spec["ckpt"]), spec.get("save_interval", 1000))
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from pipeline.config import ModelConfig, ParallelConfig, TrainStage
     from stages.context import MetricsWriter
     from stages.engine import distributed as D
-    from stages.engine.model import build_model, num_parameters
+    from stages.engine.model import build_model, model_config, num_parameters
     from stages.engine.steps import make_step
     from stages.engine.synthetic import SyntheticPreferenceSource, SyntheticSource
     from stages.engine.trainer import Trainer, WithReference, build_optimizer, reference_logps
@@ -128,13 +143,18 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             train_source=source,
             valid_source=valid,
             metrics=metrics,
+            checkpointer=_checkpointer(spec),
         )
+        trainer.restore()
+        resumed = trainer.state()
         t0 = time.time()
         summary = trainer.fit()
         wall = time.time() - t0
         return {
             "summary": summary,
             "history": trainer.history,
+            "resumed": resumed,
+            "recompute": model_config(chunks).recompute_granularity,
             "wall_s": wall,
             "params_rank0": num_parameters(chunks),
             "tokens_per_step": par.global_batch_size * seq * step.sequences_per_sample,

@@ -1,0 +1,55 @@
+"""bench/bench_throughput.py: the plain-PyTorch comparator has the engine model's shape, and the GPU part runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import ModelConfig
+from pipeline.planner import param_count
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench" / "bench_throughput.py"
+sys.path.insert(0, str(BENCH.parent))
+import bench_throughput  # noqa: E402
+
+
+def test_plain_gpt_has_the_engine_models_parameter_count() -> None:
+    """Same layers, widths, biases, norms and tied output layer as the GPTModel the engine builds."""
+    m = bench_throughput.CPU_MODEL
+    plain = bench_throughput.PlainGPT(
+        m["num_layers"], m["hidden_size"], m["num_attention_heads"], m["seq_length"], bench_throughput.VOCAB
+    )
+    expected = param_count(ModelConfig(**m, vocab_size=bench_throughput.VOCAB))
+    assert sum(p.numel() for p in plain.parameters()) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cpu_bench_prints_the_single_rank_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    args = ["--steps", "2", "--warmup", "1", "--rounds", "1", "--no-dist", "--json", str(out)]
+    r = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=560)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "1 rank" in r.stdout and "ratio" in r.stdout
+    assert json.loads(out.read_text())["single_rank"]["ratio"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(900)
+def test_gpu_llama_1b_bench_reports_mfu(tmp_path: Path) -> None:
+    """A few bf16 steps of the 1B Llama through the engine path, with its MFU."""
+    out = tmp_path / "figures.json"
+    args = ["--gpu-only", "--steps", "3", "--warmup", "2", "--gpu-seq", "1024", "--gpu-batch", "2"]
+    r = subprocess.run(
+        [sys.executable, str(BENCH), *args, "--json", str(out)], capture_output=True, text=True, timeout=880
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    gpu = json.loads(out.read_text())["gpu"]
+    assert gpu["tokens_per_s"] > 0 and 0 < gpu["mfu"] < 1, gpu
