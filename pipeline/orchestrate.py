@@ -126,7 +126,8 @@ def _run_one_local(cfg: PipelineConfig, stage: str, run_dir: Path, ledger: Ledge
             ledger.update(
                 stage, status=FAILED, ended_at=time.time(), error=f"{type(e).__name__}: {_last_error(e)}"
             )
-        raise RunError(f"stage {stage!r} failed: {_last_error(e)}\n  log: {log or 'see above'}") from None
+        reason = _diagnose(job.paths.folder) or _last_error(e)
+        raise RunError(f"stage {stage!r} failed: {reason}\n  log: {log or 'see above'}") from None
     follower.poll(final=True)
 
 
@@ -146,6 +147,18 @@ def _mark_submitted(
         plan=stage_plan(cfg, stage).as_dict(),
         attempts=prev.attempts if prev and prev.hash == hashes[stage] else 0,
     )
+
+
+def _diagnose(folder: Path) -> str | None:
+    """The most telling line of a failed local job's logs (every rank): a hang, an injected fault, an error."""
+    lines: list[str] = []
+    for p in sorted(Path(folder).glob("*_log.err")):
+        lines += [ln.strip() for ln in p.read_text(errors="replace").splitlines()]
+    for key in ("HangDetected", "InjectedFault", "Error:", "Exception:"):
+        hits = [ln for ln in lines if key in ln and not ln.startswith("File ")]
+        if hits:
+            return hits[-1]
+    return None
 
 
 def _last_error(e: BaseException) -> str:

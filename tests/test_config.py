@@ -106,3 +106,16 @@ def test_unknown_key_in_dict_input_suggests() -> None:
     data["model"]["num_layer"] = 2
     with pytest.raises(ConfigError, match=r"model.num_layer: unknown key \(did you mean 'num_layers'\?\)"):
         build_config(data)
+
+
+def test_config_docs_are_current() -> None:
+    from pipeline.docs import render
+
+    assert (CONF_DIR.parent / "docs" / "CONFIG.md").read_text() == render(), "run: python -m pipeline.docs"
+
+
+def test_every_field_has_a_docstring() -> None:
+    from pipeline.docs import field_docs
+
+    missing = [f"{c}.{n}" for c, rows in field_docs().items() if c != "PipelineConfig" for n, _, _, d in rows if not d]
+    assert not missing, missing

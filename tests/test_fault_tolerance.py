@@ -166,12 +166,12 @@ def test_hung_rank_is_detected_dumped_and_exits_with_hang_code(
     from stages.engine.signals import HANG_EXIT_CODE
 
     root = seeded(data_root, tmp_path)
-    runs = until_done(root, [*DP2, "pretrain.hang_timeout_s=10"], "hang@step:3/rank=1")
+    runs = until_done(root, [*DP2, "pretrain.hang_timeout_s=30"], "hang@step:3/rank=1")
     assert [r.returncode for r in runs] == [1, 0]
     logs = "\n".join(p.read_text() for p in (run_dir(root) / "jobs" / "pretrain").rglob("*_log.*"))
     assert "[watchdog] no progress" in logs
     assert "_fire" in logs and "faults.py" in logs, "the hung rank's stack is in its log"
-    assert f"exit code {HANG_EXIT_CODE}" in runs[0].stderr or str(HANG_EXIT_CODE) in logs + runs[0].stderr
+    assert f"HangDetected: exiting with code {HANG_EXIT_CODE}" in runs[0].stderr, runs[0].stderr
     led = Ledger(run_dir(root)).read("pretrain")
     assert led and led.status == "completed"
     assert_identical(final_tensors(root), baseline_dp2)

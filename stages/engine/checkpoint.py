@@ -569,6 +569,8 @@ def _load_scheduler(scheduler: Any, common: dict, path: Path) -> None:
         return
     if common.get("scheduler") is None:
         raise CheckpointError(f"{path}: saved without scheduler state, but a scheduler was given")
+    # megatron's load_state_dict steps *by* the saved count: a live scheduler (a rollback) restarts from 0
+    scheduler.num_steps = 0
     scheduler.load_state_dict(common["scheduler"])
 
 

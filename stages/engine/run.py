@@ -72,7 +72,9 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
         tokenizer = load_tokenizer(data_dir(ctx) / "tokenizer.json")
         chunks = build_model(cfg.model, par, tokenizer.vocab_size)
         optimizer, scheduler = build_optimizer(chunks, st, par)
-        ckpt = Checkpointer(ctx.checkpoint_dir, st.save_interval, resolve_init_from(cfg, ctx), st.keep_last)
+        ckpt = Checkpointer(
+            ctx.checkpoint_dir, st.save_interval, resolve_init_from(cfg, ctx), st.keep_last, st.async_save
+        )
         train_source, valid_source = sources(tokenizer, st, cfg.model.seq_length, chunks, ckpt)
         trainer = Trainer(
             chunks,

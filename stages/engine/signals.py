@@ -87,13 +87,18 @@ def restart_count() -> int:
 
 
 class Watchdog:
-    """Exits the process with HANG_EXIT_CODE when ``beat()`` is not called for ``timeout_s`` seconds."""
+    """Exits the process with HANG_EXIT_CODE when ``beat()`` is not called for ``timeout_s`` seconds.
+
+    Armed by the first ``beat()`` (the training loop's first step), so a slow start-up is not a hang.
+    """
 
     def __init__(self, timeout_s: float, *, max_requeues: int = 0, poll_s: float = 1.0) -> None:
         self.timeout_s = timeout_s
         self.max_requeues = max_requeues
         self.poll_s = min(poll_s, max(timeout_s / 4, 0.05))
-        self._last = time.monotonic()
+        self._last: float | None = (
+            None  # armed by the first beat: start-up (imports, model build) is not a hang
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
 
@@ -110,6 +115,8 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
+            if self._last is None:
+                continue
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
                 self._fire(idle)
@@ -123,4 +130,5 @@ class Watchdog:
         sys.stderr.flush()
         if in_slurm_job() and restart_count() < self.max_requeues:
             requeue_self(f"hang detected after {idle:.0f} s without progress")
+        print(f"[watchdog] HangDetected: exiting with code {HANG_EXIT_CODE}", file=sys.stderr, flush=True)
         os._exit(HANG_EXIT_CODE)

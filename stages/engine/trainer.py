@@ -385,24 +385,22 @@ class Trainer:
         return {**{n: nan for n in self.step.metric_names}, "grad_norm": nan, "lr": lr, "skipped": 1.0}
 
     def _handle_bad_step(self) -> bool:
-        """Apply ``nan_policy`` to the step just run (at ``self.iteration``); True when it rolled back."""
+        """Apply ``nan_policy`` to the step just run (step ``self.iteration + 1``); True when it rolled back."""
         verdict, self.verdict = self.verdict, None
-        index = self.iteration
+        step = self.iteration + 1
         if verdict is None:
             return False
         if verdict["reason"] is None:
-            self.guard.good(index, verdict["grad_norm"])
+            self.guard.good(step, verdict["grad_norm"])
             return False
-        in_a_row = self.guard.bad(index)
-        policy = self.stage.nan_policy
-        if in_a_row >= self.stage.max_bad_steps:
-            policy = "stop"
-        back_to = self._rollback(index) if policy == "rollback" else None
+        in_a_row = self.guard.bad(step)
+        policy = "stop" if in_a_row >= self.stage.max_bad_steps else self.stage.nan_policy
+        back_to = self._rollback(step) if policy == "rollback" else None
         action = "skip" if policy == "rollback" and back_to is None else policy
-        self._report_bad_step(index + 1, verdict, action, back_to)
+        self._report_bad_step(step, verdict, action, back_to)
         if action == "stop":
             raise BadStepError(
-                f"step {index + 1}: {verdict['reason']} (grad norm {verdict['grad_norm']:.4g}); "
+                f"step {step}: {verdict['reason']} (grad norm {verdict['grad_norm']:.4g}); "
                 f"{in_a_row} bad step(s) in a row, stopping (nan_policy={self.stage.nan_policy}, "
                 f"max_bad_steps={self.stage.max_bad_steps})"
             )
@@ -422,9 +420,9 @@ class Trainer:
             where,
         )
 
-    def _rollback(self, index: int) -> int | None:
-        """Reload the newest checkpoint and skip step ``index``'s batch from now on; its step, or None (none)."""
-        self.skipped_steps.add(index + 1)
+    def _rollback(self, step: int) -> int | None:
+        """Reload the newest checkpoint and skip ``step``'s batch from now on; the checkpoint's step, or None."""
+        self.skipped_steps.add(step)
         if self.checkpointer is None:
             return None
         state = self.checkpointer.reload_latest(self.chunks, self.optimizer, self.scheduler)
