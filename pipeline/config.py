@@ -294,6 +294,8 @@ class TrainStage:
     """Job time limit (None: cluster.time_min)."""
     threads: int = 2
     """torch.set_num_threads per rank."""
+    seq_length: int | None = None
+    """Tokens per sequence in this stage's batches (None = model.seq_length); SFT/DPO examples are short."""
     init_from: str | None = "auto"
     """Weights to start from (fresh optimizer): auto = the upstream stage's final checkpoint, a path, or null (random)."""
     iters: int = 100
@@ -341,6 +343,8 @@ class TrainStage:
 
     def __post_init__(self) -> None:
         _positive("iters", self.iters)
+        if self.seq_length is not None:
+            _positive("seq_length", self.seq_length)
         _positive("threads", self.threads)
         _positive("log_interval", self.log_interval)
         _positive("eval_interval", self.eval_interval, allow_zero=True)

@@ -89,7 +89,12 @@ def check_layout(cfg: PipelineConfig, stage: str) -> ParallelPlan:
         if par.tp * par.pp != 1:
             raise ConfigError(f"{key}: {stage} runs without model parallelism; set tp=1 and pp=1")
         return plan
-    assert isinstance(st, TrainStage)
+    if not isinstance(st, TrainStage):
+        raise ConfigError(f"run.stages={stage!r}: not a training stage")
+    if st.seq_length is not None and st.seq_length > cfg.model.seq_length:
+        raise ConfigError(
+            f"{stage}.seq_length={st.seq_length}: must be <= model.seq_length={cfg.model.seq_length}"
+        )
     _check_model_split(cfg.model, par, key)
     plan = stage_plan(cfg, stage)
     _check_batch(par, plan, key)

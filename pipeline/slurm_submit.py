@@ -58,6 +58,8 @@ def job_state(job_id: str) -> tuple[str, str, int]:
     if not rows:
         return "UNKNOWN", "", 0
     state = rows[-1][0].split()[0]  # "CANCELLED by 0" -> CANCELLED
+    if state == "NODE_FAIL":  # out of the queue: SLURM did not requeue it (a requeued job stays queued)
+        return "FAILED", "node failure, not requeued", len(rows)
     return state, rows[-1][1] if len(rows[-1]) > 1 else "", len(rows)
 
 

@@ -725,6 +725,11 @@ socket={self.mysql_socket}
             raise ClusterError(f"{name} is not running")
         p.signal(signal.SIGKILL)
         wait_until(f"{name} to die", lambda: not p.alive(), deadline_s, interval=0.05)
+        # The kernel gives a dead namespace's inode number to the next namespace created on the machine
+        # (another cluster's node, any unshare): forget it, or that stranger would count as this node
+        # alive (start-node would skip it; down would kill it).
+        p.pidns = None
+        self.save()
 
     def down(self, deadline_s: float = 30) -> float:
         t0 = time.monotonic()

@@ -8,105 +8,32 @@ with other work: stage times vary by a factor of 3). ``experiment=tiny`` with ch
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 from slurm_cluster import REPO, wait_for
+from slurm_helpers import (
+    TINY,
+    TWO_NODES,
+    assert_ran_from_snapshot,
+    events,
+    fail_text,
+    hostnames,
+    pipeline,
+    run_dirs,
+    sacct,
+    submitted,
+    wait_sacct,
+    wait_settled,
+)
 
 from pipeline.config import STAGES
 from pipeline.ledger import Ledger
-from pipeline.status import StageView, run_status
+from pipeline.status import run_status
 
 pytestmark = pytest.mark.slurm
-
-TINY = [
-    "experiment=tiny",
-    "cluster=slurm",
-    "pretrain.save_interval=6",  # tiny runs 6/4/4 steps: save once, at the end
-    "sft.save_interval=4",
-    "rlhf.save_interval=4",
-]
-TWO_NODES = ["pretrain.parallel.dp=2", "pretrain.parallel.nodes=2", "pretrain.threads=1"]
-SETTLED = ("completed", "failed", "blocked", "cancelled")
-
-
-@pytest.fixture
-def cluster(slurm_cluster, monkeypatch):
-    """The session cluster, with its variables in os.environ (pipeline.status calls squeue/sacct here)."""
-    for k, v in slurm_cluster.vars.items():
-        monkeypatch.setenv(k, v)
-    slurm_cluster.wait_nodes_idle(deadline_s=120)
-    return slurm_cluster
-
-
-def pipeline(
-    cluster, *args: str, cwd: Path = REPO, env: dict[str, str] | None = None, module: str = "pipeline"
-) -> subprocess.CompletedProcess[str]:
-    """``python -m <module> ARGS`` with the cluster's environment; no PYTHONPATH unless ``env`` sets one."""
-    full = {k: v for k, v in cluster.env.items() if k not in ("PYTHONPATH", "PIPELINE_FAULT")}
-    full.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=180
-    )
-
-
-def run_dirs(stdout: str) -> list[Path]:
-    """Run directories named by 'run directory:' lines, in order, without repeats."""
-    found = [
-        Path(ln.split(":", 1)[1].strip()) for ln in stdout.splitlines() if ln.startswith("run directory:")
-    ]
-    return list(dict.fromkeys(found))
-
-
-def submitted(stdout: str) -> dict[str, str]:
-    """{stage: job id} from '[stage] submitted job N' lines."""
-    return dict(re.findall(r"^\[(\w+)\] submitted job (\d+)", stdout, flags=re.M))
-
-
-def wait_settled(run_dir: Path, stages: list[str], deadline_s: float) -> dict[str, StageView]:
-    """Poll pipeline.status until every stage completed, failed, is blocked or was cancelled."""
-
-    def settled() -> dict[str, StageView] | None:
-        views = {v.stage: v for v in run_status(run_dir)}
-        done = all(s in views and views[s].state in SETTLED for s in stages)
-        return views if done else None
-
-    def describe() -> str:
-        return "; ".join(f"{v.stage}={v.state} {v.detail}" for v in run_status(run_dir))
-
-    return wait_for(settled, deadline_s, describe, interval=2.0)
-
-
-def events(run_dir: Path, kind: str, stage: str) -> list[dict]:
-    return [e for e in Ledger(run_dir).events() if e["event"] == kind and e["stage"] == stage]
-
-
-def assert_ran_from_snapshot(run_dir: Path, stages: list[str]) -> None:
-    """Each job imported pipeline/ and stages/ from run_dir/code/<stamp>, not from a checkout."""
-    for s in stages:
-        codes = {e["code"] for e in events(run_dir, "started", s)}
-        assert codes and all(Path(c).parent == run_dir / "code" for c in codes), (s, codes)
-
-
-def sacct(cluster, job_id: str, field: str = "State") -> list[str]:
-    """One value per run of the job (-D: requeued runs too); states as one word ('CANCELLED by 0')."""
-    out = cluster.run("sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", field).stdout
-    return [ln.split()[0] for ln in out.splitlines() if ln.strip()]
-
-
-def wait_sacct(cluster, job_id: str, runs: list[str], deadline_s: float = 120) -> None:
-    """Poll until sacct shows exactly ``runs``: the ledger says completed a moment before the job exits."""
-    wait_for(
-        lambda: sacct(cluster, job_id) == runs, deadline_s, lambda: f"job {job_id}: {sacct(cluster, job_id)}"
-    )
-
-
-def fail_text(r: subprocess.CompletedProcess[str]) -> str:
-    return f"rc={r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
 
 
 @pytest.mark.timeout(600)
@@ -150,7 +77,7 @@ def _check_two_node_pretrain(cluster, run_dir: Path, job_id: str) -> None:
     script = (run_dir / "jobs" / "pretrain" / job_id / f"{job_id}_submission.sh").read_text()
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script, script
     [nodelist] = sacct(cluster, job_id, "NodeList")
-    first = cluster.run("scontrol", "show", "hostnames", nodelist).stdout.split()[0]
+    first = hostnames(cluster, nodelist)[0]
     [started] = events(run_dir, "started", "pretrain")
     assert started["world_size"] == 2
     assert started["master"] == f"{first}:{20000 + int(job_id) % 20000}", (started, nodelist)

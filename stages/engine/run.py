@@ -75,14 +75,15 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
         ckpt = Checkpointer(
             ctx.checkpoint_dir, st.save_interval, resolve_init_from(cfg, ctx), st.keep_last, st.async_save
         )
-        train_source, valid_source = sources(tokenizer, st, cfg.model.seq_length, chunks, ckpt)
+        seq_length = st.seq_length or cfg.model.seq_length
+        train_source, valid_source = sources(tokenizer, st, seq_length, chunks, ckpt)
         trainer = Trainer(
             chunks,
             optimizer,
             scheduler,
             step,
             stage=st,
-            seq_length=cfg.model.seq_length,
+            seq_length=seq_length,
             train_source=train_source,
             valid_source=valid_source,
             metrics=MetricsWriter(ctx.metrics_path, enabled=D.is_rank0()),
