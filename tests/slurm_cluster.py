@@ -36,8 +36,17 @@ cluster_mod = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("slurm_local_cluster", cluster_mod)
 _spec.loader.exec_module(cluster_mod)
 
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-                   "PREEMPTED", "NODE_FAIL"}
+TERMINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+    "NODE_FAIL",
+}
 
 
 def in_ci() -> bool:
@@ -124,8 +133,11 @@ class SlurmCluster:
         return self._c.node_states()
 
     def wait_nodes_idle(self, deadline_s: float = 90) -> None:
-        wait_for(lambda: all(s == "idle" for s in self.node_states().values()), deadline_s,
-                 lambda: f"nodes not idle: {self.node_states()}")
+        wait_for(
+            lambda: all(s == "idle" for s in self.node_states().values()),
+            deadline_s,
+            lambda: f"nodes not idle: {self.node_states()}",
+        )
 
     # --- commands
     def run(self, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -136,7 +148,9 @@ class SlurmCluster:
 
     def sbatch(self, *args: str) -> str:
         """sbatch --parsable ARGS; returns the job id. Output goes to <dir>/jobs/%j.out unless -o is given."""
-        extra = [] if any(a.startswith(("-o", "--output")) for a in args) else ["-o", f"{self.dir}/jobs/%j.out"]
+        extra = (
+            [] if any(a.startswith(("-o", "--output")) for a in args) else ["-o", f"{self.dir}/jobs/%j.out"]
+        )
         return self.run("sbatch", "--parsable", *extra, *args).stdout.strip().split(";")[0]
 
     def job_output(self, job_id: str) -> str:
@@ -161,8 +175,11 @@ class SlurmCluster:
 
     def wait_job(self, job_id: str, states=TERMINAL_STATES, deadline_s: float = 120) -> str:
         """Poll sacct until the job reaches one of `states`; returns that state."""
-        return wait_for(lambda: (s if (s := self.sacct_state(job_id)) in states else None), deadline_s,
-                        lambda: f"job {job_id}: sacct {self.sacct_state(job_id)}, squeue {self.squeue(job_id)}")
+        return wait_for(
+            lambda: s if (s := self.sacct_state(job_id)) in states else None,
+            deadline_s,
+            lambda: f"job {job_id}: sacct {self.sacct_state(job_id)}, squeue {self.squeue(job_id)}",
+        )
 
 
 def wait_for(pred, deadline_s: float, describe=lambda: "", interval: float = 0.25):

@@ -117,5 +117,11 @@ def test_config_docs_are_current() -> None:
 def test_every_field_has_a_docstring() -> None:
     from pipeline.docs import field_docs
 
-    missing = [f"{c}.{n}" for c, rows in field_docs().items() if c != "PipelineConfig" for n, _, _, d in rows if not d]
+    missing = [
+        f"{c}.{n}"
+        for c, rows in field_docs().items()
+        if c != "PipelineConfig"
+        for n, _, _, d in rows
+        if not d
+    ]
     assert not missing, missing

@@ -30,8 +30,11 @@ def test_bring_up_three_idle_nodes(slurm_cluster):
 @pytest.mark.timeout(180)
 def test_two_node_job_hostnames_and_sacct(slurm_cluster):
     jid = slurm_cluster.sbatch(
-        "-N2", "--ntasks-per-node=2", "--wrap",
-        "echo batch $(hostname); srun bash -c 'echo task $SLURM_PROCID $(hostname)'; getent hosts node1")
+        "-N2",
+        "--ntasks-per-node=2",
+        "--wrap",
+        "echo batch $(hostname); srun bash -c 'echo task $SLURM_PROCID $(hostname)'; getent hosts node1",
+    )
     assert slurm_cluster.wait_job(jid, deadline_s=120) == "COMPLETED", slurm_cluster.job_output(jid)
     out = slurm_cluster.job_output(jid).split("\n")
     batch_host = next(x.split()[1] for x in out if x.startswith("batch "))
@@ -54,12 +57,16 @@ def test_afterok_on_failed_job_never_runs(slurm_cluster):
     marker = slurm_cluster.dir / "jobs" / f"dep-ran-{os.getpid()}"
     failing = slurm_cluster.sbatch("--wrap", "exit 3")
     waits = slurm_cluster.sbatch(f"--dependency=afterok:{failing}", "--wrap", f"touch {marker}")
-    killed = slurm_cluster.sbatch(f"--dependency=afterok:{failing}", "--kill-on-invalid-dep=yes",
-                                  "--wrap", f"touch {marker}")
+    killed = slurm_cluster.sbatch(
+        f"--dependency=afterok:{failing}", "--kill-on-invalid-dep=yes", "--wrap", f"touch {marker}"
+    )
     assert slurm_cluster.wait_job(failing) == "FAILED"
     assert slurm_cluster.wait_job(killed, deadline_s=60) == "CANCELLED"
-    wait_for(lambda: slurm_cluster.squeue(waits) == ("PENDING", "DependencyNeverSatisfied"), 60,
-             lambda: f"squeue: {slurm_cluster.squeue(waits)}")
+    wait_for(
+        lambda: slurm_cluster.squeue(waits) == ("PENDING", "DependencyNeverSatisfied"),
+        60,
+        lambda: f"squeue: {slurm_cluster.squeue(waits)}",
+    )
     # it stays that way across several scheduler passes (sched_interval=2, bf_interval=1)
     t_end = time.monotonic() + 6
     while time.monotonic() < t_end:
@@ -74,8 +81,13 @@ def test_afterok_on_failed_job_never_runs(slurm_cluster):
 def _remote_fn(x: int) -> dict:
     import pipeline  # the repo must be importable in the job (submitit runs sys.executable)
 
-    return {"value": x * 2, "host": socket.gethostname(), "job_id": os.environ.get("SLURM_JOB_ID"),
-            "pipeline": pipeline.__file__, "python": sys.executable}
+    return {
+        "value": x * 2,
+        "host": socket.gethostname(),
+        "job_id": os.environ.get("SLURM_JOB_ID"),
+        "pipeline": pipeline.__file__,
+        "python": sys.executable,
+    }
 
 
 @pytest.mark.timeout(240)
@@ -85,7 +97,9 @@ def test_submitit_function_result(slurm_cluster, monkeypatch):
     # submitit calls sbatch/sacct with os.environ, and the job inherits it (--export=ALL)
     for k, v in slurm_cluster.vars.items():
         monkeypatch.setenv(k, v)
-    pp = [str(REPO), str(Path(__file__).parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
+    pp = [str(REPO), str(Path(__file__).parent)] + [
+        p for p in os.environ.get("PYTHONPATH", "").split(":") if p
+    ]
     monkeypatch.setenv("PYTHONPATH", ":".join(pp))
     folder = slurm_cluster.dir / "submitit" / f"{os.getpid()}-%j"
     ex = submitit.AutoExecutor(folder=folder)
@@ -122,11 +136,19 @@ echo finished on $(hostname)
     slurm_cluster.kill_node(first_node)
     try:
         assert not slurm_cluster.node_alive(first_node)
-        wait_for(lambda: (slurm_cluster.squeue(jid) or ("",))[0] == "PENDING"
-                 or len(log.read_text().split("\n")) > 2, 120, lambda: f"not requeued: {slurm_cluster.squeue(jid)}")
+        wait_for(
+            lambda: (
+                (slurm_cluster.squeue(jid) or ("",))[0] == "PENDING" or len(log.read_text().split("\n")) > 2
+            ),
+            120,
+            lambda: f"not requeued: {slurm_cluster.squeue(jid)}",
+        )
         t_requeued = time.monotonic() - t_kill
-        wait_for(lambda: len(log.read_text().strip().split("\n")) >= 2, 120,
-                 lambda: f"not restarted: {slurm_cluster.squeue(jid)} {slurm_cluster.node_states()}")
+        wait_for(
+            lambda: len(log.read_text().strip().split("\n")) >= 2,
+            120,
+            lambda: f"not restarted: {slurm_cluster.squeue(jid)} {slurm_cluster.node_states()}",
+        )
         t_rerun = time.monotonic() - t_kill
         assert slurm_cluster.wait_job(jid, states={"COMPLETED"}, deadline_s=120) == "COMPLETED"
         t_done = time.monotonic() - t_kill
@@ -134,13 +156,20 @@ echo finished on $(hostname)
         assert second_node != first_node and second_node in slurm_cluster.nodes
         assert count2 == "1"  # SLURM_RESTART_COUNT
         # accounting keeps both runs: NODE_FAIL on the dead node, then COMPLETED
-        hist = slurm_cluster.run("sacct", "-n", "-X", "-P", "-D", "-j", jid, "-o", "State,NodeList").stdout.split()
+        hist = slurm_cluster.run(
+            "sacct", "-n", "-X", "-P", "-D", "-j", jid, "-o", "State,NodeList"
+        ).stdout.split()
         assert hist == [f"NODE_FAIL|{first_node}", f"COMPLETED|{second_node}"], hist
         assert slurm_cluster.node_states()[first_node].startswith("down")
-        slurm_cluster.timings.update(kill_to_requeue_s=round(t_requeued, 1), kill_to_rerun_s=round(t_rerun, 1),
-                                     kill_to_completed_s=round(t_done, 1))
-        print(f"node failure: requeued after {t_requeued:.1f}s, running again after {t_rerun:.1f}s, "
-              f"completed after {t_done:.1f}s")
+        slurm_cluster.timings.update(
+            kill_to_requeue_s=round(t_requeued, 1),
+            kill_to_rerun_s=round(t_rerun, 1),
+            kill_to_completed_s=round(t_done, 1),
+        )
+        print(
+            f"node failure: requeued after {t_requeued:.1f}s, running again after {t_rerun:.1f}s, "
+            f"completed after {t_done:.1f}s"
+        )
     finally:
         if not slurm_cluster.node_alive(first_node):
             t = slurm_cluster.start_node(first_node)
@@ -157,8 +186,13 @@ def test_cli_second_cluster_up_down_leaves_nothing(slurm_cluster):
     env = {k: v for k, v in os.environ.items() if k not in ("SLURM_CONF", "SLURM_LOCAL_DIR")}
     try:
         t0 = time.monotonic()
-        up = subprocess.run(cli + ["up", "--dir", str(d), "--nodes", "2"], env=env, capture_output=True, text=True,
-                            timeout=240)
+        up = subprocess.run(
+            cli + ["up", "--dir", str(d), "--nodes", "2"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         t_up = time.monotonic() - t0
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"source {d}/env.sh" in up.stdout
@@ -169,19 +203,30 @@ def test_cli_second_cluster_up_down_leaves_nothing(slurm_cluster):
         sess = slurm_cluster.conf.read_text()
         port = [x for x in own.splitlines() if x.startswith("SlurmctldPort=")]
         assert port and port[0] not in sess
-        out = subprocess.run(["bash", "-c", f"source {d}/env.sh && srun -N2 hostname | sort"], env=env,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            ["bash", "-c", f"source {d}/env.sh && srun -N2 hostname | sort"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.stdout.split() == ["node1", "node2"], out.stdout + out.stderr
-        st = subprocess.run(cli + ["status", "--dir", str(d)], env=env, capture_output=True, text=True, timeout=60)
+        st = subprocess.run(
+            cli + ["status", "--dir", str(d)], env=env, capture_output=True, text=True, timeout=60
+        )
         assert st.returncode == 0 and "node2" in st.stdout, st.stdout + st.stderr
         assert stray_processes(d)  # the daemons are found by the scan
     finally:
         t0 = time.monotonic()
-        down = subprocess.run(cli + ["down", "--dir", str(d)], env=env, capture_output=True, text=True, timeout=120)
+        down = subprocess.run(
+            cli + ["down", "--dir", str(d)], env=env, capture_output=True, text=True, timeout=120
+        )
         t_down = time.monotonic() - t0
     assert down.returncode == 0, down.stdout + down.stderr
     assert not stray_processes(d)
-    again = subprocess.run(cli + ["down", "--dir", str(d)], env=env, capture_output=True, text=True, timeout=60)
+    again = subprocess.run(
+        cli + ["down", "--dir", str(d)], env=env, capture_output=True, text=True, timeout=60
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     slurm_cluster.timings.update(cli_up_2nodes_s=round(t_up, 1), cli_down_s=round(t_down, 1))
     # the session cluster was not disturbed
