@@ -23,6 +23,13 @@ def results_table(path: Path) -> str:
         cells = []
         for key, _, fmt in COLUMNS:
             v = res.get(key)
-            cells.append(f"{fmt.format(v) if isinstance(v, (int, float)) else '-':>14}")
+            text = (
+                fmt.format(v)
+                if isinstance(v, (int, float)) and abs(v) < 1e6
+                else f"{v:.2e}"
+                if isinstance(v, (int, float))
+                else "-"
+            )
+            cells.append(f"{text:>14}")
         lines.append(f"{name:<10}" + "".join(cells))
     return "\n".join(lines)

@@ -77,10 +77,12 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     t = time.perf_counter()
     if world.rank == 0:
         (out / MANIFEST).unlink(missing_ok=True)  # the old output no longer counts from here on
+        for stale in out.glob(".shards-*"):  # left by a crashed attempt
+            shutil.rmtree(stale, ignore_errors=True)
 
     text_docs, sources = read_corpus(d)
     train_docs, valid_docs = split_documents(text_docs, d.valid_fraction, d.seed)
-    held = tasks.make_split(d.num_eval_examples, d.max_operand, _rng(d.seed, _HELD_OUT))
+    held = tasks.make_split(d.num_eval_examples, d.max_operand, _rng(d.seed, _HELD_OUT), d.task)
     task_docs = task_documents(held, len(train_docs), d.task_mix_fraction, _rng(d.seed, _MIX))
     train_docs = train_docs + task_docs
     timings["read_s"] = time.perf_counter() - t
@@ -400,7 +402,7 @@ def write_manifest(
             role: {"token": SPECIAL_TOKENS[role], "id": i} for role, i in tokenizer.special_ids.items()
         },
         "token_dtype": np.dtype(dtype).name,
-        "task": {"name": d.task, "max_operand": d.max_operand, "ops": list(tasks.OPS)},
+        "task": {"name": d.task, "max_operand": d.max_operand, "ops": list(tasks.TASKS[d.task])},
         "corpus": {"kind": d.corpus, "files": len(sources), "max_corpus_mb": d.max_corpus_mb},
         "counts": counts,
         "files": {

@@ -4,13 +4,18 @@ A problem is ``a + b`` or ``a - b`` (with ``a >= b``, so answers are never negat
 uniformly from ``[0, max_operand]``. The prompt is ``"What is 23 + 45?"`` and the answer is the plain
 decimal ``"68"``; the tokenizer splits digits one per token, so the model writes answers digit by digit.
 
-Why this task and these sizes: the default run trains a ~1M-parameter GPT (4 layers, width 128) for
-300 pretraining steps and 150 SFT steps of batch 16 (2,400 SFT examples) on CPU, and must reach
->= 30% exact match on held-out prompts. Two-digit addition with carries is at the edge of what such a
-model learns in 2,400 examples; small operands (``data.max_operand``) keep it learnable, and the same
-problems written as plain text (``task_mix_fraction`` of the pretraining documents) teach the model the
-digits and the prompt wording before SFT. The measured accuracies for several operand ranges are in
-the data-prep report (docs/ARCHITECTURE.md, "Outputs of data_prep").
+Difficulty, measured (a plain-PyTorch GPT of the default shape: 4 layers, width 128, vocabulary 4096,
+seq 128; 300 pretraining steps at lr 2e-3 and 150 SFT steps at lr 1e-3, batch 16, cosine schedules; greedy
+exact match on the held-out prompts; CPU):
+
+- ``max_operand=99`` (the config default): 2% (SFT loss plateaus near 1.6 per response token).
+- ``max_operand=9``: 8% held out (16% on training prompts); the same with SFT rows packed with
+  ~10 examples each: 8% (20% on training prompts); SFT lr 3e-3: 5%. Four times as many arithmetic
+  tokens in pretraining (task_mix_fraction 0.2) gave 3% in plain text right after pretraining.
+
+So at the default budget the model has not yet learned the operation (the per-token loss stays near 1.1
+on single digits): the >= 30% target needs a larger training budget or an easier task, not different
+data here. The task code works for any ``max_operand``; small operands are the easiest setting.
 
 Held-out prompts (``eval_task.jsonl``, ``eval_pref.jsonl``) never appear in any training file: they
 are drawn first, and every training problem is drawn from the rest of the problem space.
@@ -28,12 +33,15 @@ from dataclasses import dataclass
 import numpy as np
 
 OPS: tuple[str, ...] = ("+", "-")
-"""Operations drawn with equal probability."""
+"""Operations of the ``arithmetic`` task, drawn with equal probability."""
+TASKS: dict[str, tuple[str, ...]] = {"arithmetic": OPS, "counting": ("after",)}
+"""Each task and its operations. ``counting``: "What comes after 47?" -> "48" (the successor, with carries)."""
 
 MISS_KINDS: tuple[str, ...] = ("off_by_one", "off_by_ten", "swapped_digits", "carry_dropped")
 """Kinds of near-miss wrong answers used as DPO rejections."""
 
 _PROMPT_RE = re.compile(r"^What is (\d+) ([+-]) (\d+)\?$")
+_AFTER_RE = re.compile(r"^What comes after (\d+)\?$")
 
 
 @dataclass(frozen=True)
@@ -46,11 +54,13 @@ class Problem:
 
     @property
     def prompt(self) -> str:
+        if self.op == "after":
+            return f"What comes after {self.a}?"
         return f"What is {self.a} {self.op} {self.b}?"
 
     @property
     def value(self) -> int:
-        return self.a + self.b if self.op == "+" else self.a - self.b
+        return self.a - self.b if self.op == "-" else self.a + self.b  # "after": b == 1
 
     @property
     def answer(self) -> str:
@@ -63,9 +73,12 @@ class Problem:
 
 def parse_prompt(prompt: str) -> Problem:
     """Inverse of ``Problem.prompt`` (ValueError if ``prompt`` is not a task prompt)."""
+    after = _AFTER_RE.match(prompt.strip())
+    if after:
+        return Problem(int(after.group(1)), "after", 1)
     m = _PROMPT_RE.match(prompt.strip())
     if not m:
-        raise ValueError(f"not an arithmetic task prompt: {prompt!r}")
+        raise ValueError(f"not a task prompt: {prompt!r}")
     return Problem(int(m.group(1)), m.group(2), int(m.group(3)))
 
 
@@ -77,13 +90,17 @@ def is_correct(answer_text: str, expected: str | int) -> bool:
     return text == str(int(expected))
 
 
-def space_size(max_operand: int) -> int:
-    """Number of distinct prompts: (n+1)^2 additions plus (n+1)(n+2)/2 subtractions with a >= b."""
+def space_size(max_operand: int, task: str = "arithmetic") -> int:
+    """Distinct prompts: (n+1)^2 additions plus (n+1)(n+2)/2 subtractions with a >= b; counting: n+1."""
     n = max_operand + 1
+    if task == "counting":
+        return n
     return n * n * ("+" in OPS) + (n * (n + 1) // 2) * ("-" in OPS)
 
 
-def random_problem(rng: np.random.Generator, max_operand: int) -> Problem:
+def random_problem(rng: np.random.Generator, max_operand: int, task: str = "arithmetic") -> Problem:
+    if task == "counting":
+        return Problem(int(rng.integers(0, max_operand + 1)), "after", 1)
     op = OPS[int(rng.integers(len(OPS)))]
     a, b = (int(x) for x in rng.integers(0, max_operand + 1, size=2))
     if op == "-" and a < b:
@@ -97,6 +114,7 @@ class TaskSplit:
 
     held_out: list[Problem]
     max_operand: int
+    task: str = "arithmetic"
 
     def __post_init__(self) -> None:
         self._held = {p.prompt for p in self.held_out}
@@ -105,20 +123,22 @@ class TaskSplit:
         """``n`` training problems (with repeats when the space is small), none of them held out."""
         out: list[Problem] = []
         while len(out) < n:
-            p = random_problem(rng, self.max_operand)
+            p = random_problem(rng, self.max_operand, self.task)
             if p.prompt not in self._held:
                 out.append(p)
         return out
 
 
-def make_split(num_held_out: int, max_operand: int, rng: np.random.Generator) -> TaskSplit:
+def make_split(
+    num_held_out: int, max_operand: int, rng: np.random.Generator, task: str = "arithmetic"
+) -> TaskSplit:
     """Draw ``num_held_out`` distinct held-out problems, at most a quarter of the problem space."""
-    n = min(num_held_out, space_size(max_operand) // 4)
+    n = min(num_held_out, space_size(max_operand, task) // 4)
     seen: dict[str, Problem] = {}
     while len(seen) < n:
-        p = random_problem(rng, max_operand)
+        p = random_problem(rng, max_operand, task)
         seen.setdefault(p.prompt, p)
-    return TaskSplit(held_out=list(seen.values()), max_operand=max_operand)
+    return TaskSplit(held_out=list(seen.values()), max_operand=max_operand, task=task)
 
 
 # ---------------------------------------------------------------------------- near misses
@@ -130,7 +150,7 @@ def _carry_dropped(p: Problem) -> int:
     width = max(len(a), len(b))
     a, b = a.rjust(width, "0"), b.rjust(width, "0")
     digits = [
-        (int(x) + int(y)) % 10 if p.op == "+" else (int(x) - int(y)) % 10 for x, y in zip(a, b, strict=True)
+        (int(x) - int(y)) % 10 if p.op == "-" else (int(x) + int(y)) % 10 for x, y in zip(a, b, strict=True)
     ]
     return int("".join(map(str, digits)))
 

@@ -212,9 +212,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             checkpoint.finalize_async()  # once per step, on every rank
             super().maybe_save(*args, **kwargs)
 
-        def save(self, step, chunks, optimizer, scheduler, state, final=False):
+        def save(self, step, chunks, optimizer, scheduler, state, final=False, async_save=False):
             t0 = time.monotonic()
-            if spec.get("async_save"):
+            if spec.get("async_save") or async_save:
                 self.last_saved = checkpoint.save(
                     self.root,
                     step,

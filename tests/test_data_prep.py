@@ -56,6 +56,7 @@ def tiny_config(corpus: Path, **data: object) -> PipelineConfig:
         num_pref_pairs=40,
         num_eval_examples=20,
         max_operand=30,
+        task="arithmetic",
         task_mix_fraction=0.1,
     )
     fields.update(data)

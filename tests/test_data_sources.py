@@ -44,7 +44,7 @@ def data_dir(tok: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sft_loss_mask_covers_response_and_eod_only(tok: Tokenizer, data_dir: Path) -> None:
-    src = sft_source(data_dir / "sft.jsonl", tok, 32, seed=3)
+    src = sft_source(data_dir / "sft.jsonl", tok, 32, seed=3, pack=False)
     recs = [json.loads(line) for line in (data_dir / "sft.jsonl").read_text().splitlines()]
     assert len(src) == len(recs) and src.num_truncated == 0
     for i in range(len(src)):
@@ -56,9 +56,8 @@ def test_sft_loss_mask_covers_response_and_eod_only(tok: Tokenizer, data_dir: Pa
             "position_ids": (np.int64, (32,)),
         }
         toks, labels, mask = item["tokens"], item["labels"], item["loss_mask"]
-        assert np.array_equal(
-            labels[:-1][toks[1:] != tok.pad], toks[1:][toks[1:] != tok.pad]
-        )  # shifted by one
+        real = toks[1:] != tok.pad
+        assert np.array_equal(labels[:-1][real], toks[1:][real])  # shifted by one
         n_prompt = int(np.argmax(toks == tok.assistant)) + 1
         prompt = tok.decode(toks[1 : n_prompt - 1])
         rec = next(r for r in recs if r["prompt"] == prompt)
@@ -67,9 +66,26 @@ def test_sft_loss_mask_covers_response_and_eod_only(tok: Tokenizer, data_dir: Pa
         assert toks[0] == tok.user and (toks[n_prompt:][mask[n_prompt:] == 0] == tok.pad).all()
 
 
+def test_sft_packs_whole_examples_into_rows(tok: Tokenizer, data_dir: Path) -> None:
+    recs = [json.loads(line) for line in (data_dir / "sft.jsonl").read_text().splitlines()]
+    src = sft_source(data_dir / "sft.jsonl", tok, 64, seed=3, pack=True)
+    assert 1 < len(src) < len(recs) and src.num_examples == len(recs)
+    rows = [src.fetch(j) for j in range(len(src))]  # file order
+    text = ""
+    for r in rows:
+        n = int((r["tokens"] != tok.pad).sum())
+        text += tok.decode([*r["tokens"][:n], r["labels"][n - 1]])  # a row's ids: tokens + last label
+    expected = "".join(f"<|user|>{r['prompt']}<|assistant|>{r['response']}<|endoftext|>" for r in recs)
+    assert text == expected
+    responses = "".join(tok.decode(r["labels"][r["loss_mask"] > 0]) for r in rows)
+    assert responses == "".join(r["response"] + "<|endoftext|>" for r in recs)
+    for r in rows:
+        assert r["tokens"][0] == tok.user and r["loss_mask"][r["labels"] == tok.user].sum() == 0
+
+
 def test_sft_truncates_long_examples_with_a_count(tok: Tokenizer, data_dir: Path) -> None:
     with pytest.warns(UserWarning, match="truncated"):
-        src = sft_source(data_dir / "sft.jsonl", tok, 8, seed=0)
+        src = sft_source(data_dir / "sft.jsonl", tok, 8, seed=0, pack=False)
     assert src.num_truncated == len(src)
     assert src[0]["tokens"].shape == (8,)
 

@@ -52,3 +52,15 @@ def test_held_out_split_is_deterministic_and_disjoint() -> None:
     assert not {p.prompt for p in train} & {p.prompt for p in a.held_out}
     small = tasks.make_split(200, 9, np.random.default_rng(0))
     assert len(small.held_out) == tasks.space_size(9) // 4
+
+
+def test_counting_task() -> None:
+    p = tasks.parse_prompt("What comes after 499?")
+    assert p == tasks.Problem(499, "after", 1) and p.answer == "500" and p.prompt == "What comes after 499?"
+    assert tasks.near_misses(p)["carry_dropped"] == 490
+    split = tasks.make_split(40, 999, np.random.default_rng(3), "counting")
+    held = {q.prompt for q in split.held_out}
+    assert len(held) == 40 and all(q.op == "after" for q in split.held_out)
+    train = split.train_problems(500, np.random.default_rng(4))
+    assert not held & {q.prompt for q in train}
+    assert tasks.space_size(999, "counting") == 1000

@@ -60,3 +60,27 @@ def test_config_error_exits_2_and_writes_nothing(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert "config error: pretrain.parallel.tp=3" in r.stderr
     assert not any(tmp_path.iterdir())
+
+
+def _metric_lines(run_dir: Path, stage: str, kind: str) -> list[dict]:
+    path = run_dir / "stages" / stage / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == kind]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_reduced_default_run_learns(tmp_path: Path) -> None:
+    """The embedded default, shorter DPO and eval: perplexity falls, SFT and DPO help (weaker thresholds than README)."""
+    r = run_pipeline(
+        f"run.root={tmp_path}",
+        "rlhf.iters=50",
+        "eval.num_task_examples=100",
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_dir = run_dir_of(r.stdout)
+    valid = [v["ppl"] for v in _metric_lines(run_dir, "pretrain", "valid")]
+    assert len(valid) >= 2 and valid[-1] < valid[0] < 4096, valid
+    models = json.loads((run_dir / "stages" / "eval" / "results.json").read_text())["models"]
+    assert models["sft"]["task_accuracy"] >= models["pretrain"]["task_accuracy"] + 0.20, models
+    assert models["rlhf"]["pref_accuracy"] >= 0.70, models
+    assert "task acc" in r.stdout and "pref acc" in r.stdout  # the results table

@@ -13,7 +13,7 @@ Sources and their items (``seq`` = sequence length):
 - :func:`sft_source`: ``<|user|>{prompt}<|assistant|>{response}<|endoftext|>``; ``tokens``, ``labels``
   (shifted by one), ``loss_mask`` (1 exactly where the label is a response token or the closing eod),
   ``position_ids``; padded with the pad id (mask 0), truncated on the right when too long (counted in
-  ``source.num_truncated``, warned once).
+  ``source.num_truncated``, warned once). ``pack=True`` puts several short examples in a row.
 - :func:`preference_source`: the same for (chosen, rejected) pairs, every array shaped [2, seq] with
   row 0 = chosen, row 1 = rejected.
 
@@ -263,22 +263,9 @@ def encode_example(
     ``prompt_ids`` already holds ``<|user|>...<|assistant|>``; the eod is appended to the response.
     """
     ids = prompt_ids + response_ids + [tokenizer.eod]
-    first_response = len(prompt_ids)  # index into ids of the first token that carries loss
+    loss = [0] * len(prompt_ids) + [1] * (len(response_ids) + 1)
     truncated = len(ids) > seq_length + 1
-    ids = ids[: seq_length + 1]
-    n = len(ids) - 1
-    tokens = np.full(seq_length, tokenizer.pad, dtype=np.int64)
-    labels = np.full(seq_length, tokenizer.pad, dtype=np.int64)
-    mask = np.zeros(seq_length, dtype=np.float32)
-    tokens[:n] = ids[:-1]
-    labels[:n] = ids[1:]
-    mask[max(first_response - 1, 0) : n] = 1.0  # label j is ids[j + 1]
-    return {
-        "tokens": tokens,
-        "labels": labels,
-        "loss_mask": mask,
-        "position_ids": np.arange(seq_length, dtype=np.int64),
-    }, truncated
+    return _row(ids[: seq_length + 1], loss[: seq_length + 1], seq_length, tokenizer.pad), truncated
 
 
 def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -293,23 +280,63 @@ def _warn_truncated(name: str, count: int, total: int, seq_length: int) -> None:
         )
 
 
-def sft_source(jsonl_path: Path, tokenizer: Tokenizer, seq_length: int, seed: int) -> EpochSource:
-    """SFT samples from ``{"prompt", "response"}`` lines; loss on response tokens and the closing eod."""
+def sft_source(
+    jsonl_path: Path, tokenizer: Tokenizer, seq_length: int, seed: int, pack: bool = False
+) -> EpochSource:
+    """SFT samples from ``{"prompt", "response"}`` lines; loss on response tokens and the closing eod.
+
+    Default: one example per row. With ``pack`` consecutive examples of the file share a row while
+    they fit, each one complete (``<|user|>...<|assistant|>...<|endoftext|>``), so short examples do
+    not waste the row on padding; a sample is then a row, not an example (later examples in a row
+    see earlier ones as context).
+    """
     recs = read_jsonl(jsonl_path, ("prompt", "response"))
     prompts = tokenizer.encode_batch([r["prompt"] for r in recs])
     responses = tokenizer.encode_batch([r["response"] for r in recs])
-    rows, truncated = [], 0
+    rows: list[dict[str, np.ndarray]] = []
+    cur_ids: list[int] = []
+    cur_loss: list[int] = []
+    truncated = 0
+
+    def flush() -> None:
+        if cur_ids:
+            rows.append(_row(cur_ids, cur_loss, seq_length, tokenizer.pad))
+            cur_ids.clear()
+            cur_loss.clear()
+
     for p, r in zip(prompts, responses):
-        row, cut = encode_example(tokenizer, [tokenizer.user, *p, tokenizer.assistant], r, seq_length)
-        rows.append(row)
-        truncated += cut
+        ids = [tokenizer.user, *p, tokenizer.assistant, *r, tokenizer.eod]
+        loss = [0] * (len(p) + 2) + [1] * (len(r) + 1)
+        if len(ids) > seq_length + 1:
+            ids, loss, truncated = ids[: seq_length + 1], loss[: seq_length + 1], truncated + 1
+        if not pack or len(cur_ids) + len(ids) > seq_length + 1:
+            flush()
+        cur_ids += ids
+        cur_loss += loss
+    flush()
     _warn_truncated(str(jsonl_path), truncated, len(recs), seq_length)
     arrays = _stack(rows)
     source = EpochSource(
-        len(recs), lambda j: {k: v[j] for k, v in arrays.items()}, seed, f"sft_source({jsonl_path})"
+        len(rows), lambda j: {k: v[j] for k, v in arrays.items()}, seed, f"sft_source({jsonl_path})"
     )
     source.num_truncated = truncated  # type: ignore[attr-defined]
+    source.num_examples = len(recs)  # type: ignore[attr-defined]
     return source
+
+
+def _row(ids: list[int], loss: list[int], seq_length: int, pad: int) -> dict[str, np.ndarray]:
+    """Arrays of one row from token ids and per-id loss flags (label j is ids[j + 1])."""
+    n = len(ids) - 1
+    tokens = np.full(seq_length, pad, dtype=np.int64)
+    labels = np.full(seq_length, pad, dtype=np.int64)
+    mask = np.zeros(seq_length, dtype=np.float32)
+    tokens[:n], labels[:n], mask[:n] = ids[:-1], ids[1:], loss[1:]
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": mask,
+        "position_ids": np.arange(seq_length, dtype=np.int64),
+    }
 
 
 def preference_source(jsonl_path: Path, tokenizer: Tokenizer, seq_length: int, seed: int) -> EpochSource:
