@@ -190,6 +190,23 @@ def test_crashed_stage_is_requeued_once_with_max_requeues_1(cluster, tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_hung_job_dumps_stacks_and_is_requeued(cluster, tmp_path):
+    """The watchdog finds the hang, dumps the stacks, asks SLURM to requeue, exits 86; the rerun completes."""
+    args = [*TINY, f"run.root={tmp_path}", "run.stages=[data_prep,pretrain]", "cluster.max_requeues=1"]
+    r = pipeline(cluster, *args, "pretrain.hang_timeout_s=10", env={"PIPELINE_FAULT": "hang@step:2"})
+    assert r.returncode == 0, fail_text(r)
+    [run_dir] = run_dirs(r.stdout)
+    job = submitted(r.stdout)["pretrain"]
+    views = wait_settled(run_dir, ["data_prep", "pretrain"], deadline_s=420)
+    assert views["pretrain"].state == "completed", views
+    assert [e["restarts"] for e in events(run_dir, "started", "pretrain")] == [0, 1]
+    wait_sacct(cluster, job, ["REQUEUED", "COMPLETED"])
+    logs = "".join(p.read_text() for p in (run_dir / "jobs" / "pretrain").rglob("*_log.*"))
+    assert "[watchdog] no progress" in logs and "HangDetected: exiting with code 86" in logs
+    assert "faults.py" in logs, "the hung thread's stack is in the log"
+
+
+@pytest.mark.timeout(600)
 def test_cancel_stops_running_and_queued_jobs(cluster, tmp_path):
     args = [
         *TINY,
