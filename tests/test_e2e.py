@@ -84,3 +84,13 @@ def test_reduced_default_run_learns(tmp_path: Path) -> None:
     assert models["sft"]["task_accuracy"] >= models["pretrain"]["task_accuracy"] + 0.20, models
     assert models["rlhf"]["pref_accuracy"] >= 0.70, models
     assert "task acc" in r.stdout and "pref acc" in r.stdout  # the results table
+
+
+@pytest.mark.timeout(900)
+def test_tiny_pipeline_in_process_with_the_debug_executor(tmp_path: Path) -> None:
+    r = run_pipeline("experiment=tiny", "cluster=debug", f"run.root={tmp_path}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ledger = Ledger(run_dir_of(r.stdout))
+    assert all(
+        (rec := ledger.read(s)) and rec.status == "completed" and rec.executor == "debug" for s in STAGES
+    )
