@@ -214,19 +214,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
         def save(self, step, chunks, optimizer, scheduler, state, final=False, async_save=False):
             t0 = time.monotonic()
-            if spec.get("async_save") or async_save:
-                self.last_saved = checkpoint.save(
-                    self.root,
-                    step,
-                    model_chunks=chunks,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    state=state,
-                    async_save=True,
-                    final=final,
-                )
-            else:
-                super().save(step, chunks, optimizer, scheduler, state, final=final)
+            async_save = bool(spec.get("async_save")) or async_save
+            super().save(step, chunks, optimizer, scheduler, state, final=final, async_save=async_save)
             timings["save_s"].append(round(time.monotonic() - t0, 3))
             torch.save(snapshot(chunks, optimizer), dump / f"save{step}.rank{D.rank()}.pt")
             return self.last_saved
