@@ -17,8 +17,19 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import PipelineConfig, from_dict
-from pipeline.ledger import CANCELLED, COMPLETED, FAILED, REQUEUED, RUNNING, STOPPED, Ledger, StageRecord
+from pipeline.config import PipelineConfig, from_dict, stage_hashes
+from pipeline.graph import upstream
+from pipeline.ledger import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    REQUEUED,
+    RUNNING,
+    STOPPED,
+    SUBMITTED,
+    Ledger,
+    StageRecord,
+)
 from pipeline.plan import ParallelPlan, stage_plan
 
 CODE_DIRS = ("pipeline", "stages", "conf")
@@ -131,6 +142,29 @@ def sbatch_script(cfg: PipelineConfig, stage: str, run_dir: Path, code_dir: Path
     return str(ex._make_submission_file_text(ex._submitit_command_str, "dry-run"))
 
 
+def mark_submitted(
+    cfg: PipelineConfig, ledger: Ledger, stage: str, executor: str, **fields: Any
+) -> StageRecord:
+    """Record a (re)submission: fresh status, hashes and plan; attempts carry over only for the same config."""
+    hashes = stage_hashes(cfg)
+    prev = ledger.read(stage)
+    return ledger.update(
+        stage,
+        status=SUBMITTED,
+        hash=hashes[stage],
+        upstream={u: hashes[u] for u in upstream(stage)},
+        executor=executor,
+        submitted_at=time.time(),
+        started_at=None,
+        ended_at=None,
+        error=None,
+        requeues=0,
+        plan=stage_plan(cfg, stage).as_dict(),
+        attempts=prev.attempts if prev and prev.hash == hashes[stage] else 0,
+        **fields,
+    )
+
+
 # ---------------------------------------------------------------------------- the job side
 
 
@@ -235,7 +269,6 @@ def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseExce
 
 
 def _call_stage(stage: str, cfg: PipelineConfig, run_dir: Path) -> dict[str, Any]:
-    from pipeline.graph import upstream
     from stages.context import StageContext
 
     ctx = StageContext(

@@ -16,8 +16,8 @@ from typing import Any, TextIO
 from pipeline import progress
 from pipeline.config import PipelineConfig, run_hash, stage_hashes
 from pipeline.graph import dependencies, order, upstream
-from pipeline.launch import free_port, make_executor, run_stage, sbatch_script, stage_out_dir
-from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, STOPPED, SUBMITTED, Ledger, StageRecord
+from pipeline.launch import free_port, make_executor, mark_submitted, run_stage, sbatch_script, stage_out_dir
+from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, STOPPED, Ledger, StageRecord
 from pipeline.plan import stage_plan
 
 
@@ -98,10 +98,9 @@ def execute(cfg: PipelineConfig, *, out: TextIO = sys.stdout) -> int:
 
 
 def _run_one_local(cfg: PipelineConfig, stage: str, run_dir: Path, ledger: Ledger, out: TextIO) -> None:
-    hashes = stage_hashes(cfg)
     ex = make_executor(cfg, stage, run_dir)
     port = free_port()
-    _mark_submitted(cfg, ledger, stage, hashes, executor=cfg.cluster.executor)
+    mark_submitted(cfg, ledger, stage, cfg.cluster.executor)
     job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), port)
     ledger.update(stage, job_ids=[str(job.job_id)], log=str(job.paths.stdout))
     ledger.event("submitted", stage, job_id=str(job.job_id))
@@ -129,24 +128,6 @@ def _run_one_local(cfg: PipelineConfig, stage: str, run_dir: Path, ledger: Ledge
         reason = _diagnose(job.paths.folder) or _last_error(e)
         raise RunError(f"stage {stage!r} failed: {reason}\n  log: {log or 'see above'}") from None
     follower.poll(final=True)
-
-
-def _mark_submitted(
-    cfg: PipelineConfig, ledger: Ledger, stage: str, hashes: dict[str, str], executor: str
-) -> StageRecord:
-    prev = ledger.read(stage)
-    return ledger.update(
-        stage,
-        status=SUBMITTED,
-        hash=hashes[stage],
-        upstream={u: hashes[u] for u in upstream(stage)},
-        executor=executor,
-        submitted_at=time.time(),
-        ended_at=None,
-        error=None,
-        plan=stage_plan(cfg, stage).as_dict(),
-        attempts=prev.attempts if prev and prev.hash == hashes[stage] else 0,
-    )
 
 
 def _diagnose(folder: Path) -> str | None:

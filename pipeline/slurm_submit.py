@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import TextIO
 
 from pipeline import progress
-from pipeline.config import PipelineConfig, stage_hashes
+from pipeline.config import PipelineConfig
 from pipeline.graph import upstream
-from pipeline.launch import make_executor, run_stage, snapshot_code, stage_out_dir
-from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, RUNNING, SUBMITTED, Ledger
-from pipeline.plan import stage_plan
+from pipeline.launch import make_executor, mark_submitted, run_stage, snapshot_code, stage_out_dir
+from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, RUNNING, Ledger
 
 # sacct/squeue states in which a job will still run (or is running).
 ALIVE_STATES = {
@@ -116,21 +115,13 @@ def _submit_stage(
         ex.update_parameters(dependency="afterok:" + ":".join(deps))
     job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), None)
     job_id = str(job.job_id)
-    hashes = stage_hashes(cfg)
-    ledger.update(
+    mark_submitted(
+        cfg,
+        ledger,
         stage,
-        status=SUBMITTED,
-        hash=hashes[stage],
-        upstream={u: hashes[u] for u in upstream(stage)},
-        executor="slurm",
+        "slurm",
         job_ids=[job_id],
-        submitted_at=time.time(),
-        started_at=None,
-        ended_at=None,
-        error=None,
-        requeues=0,
         log=str(job.paths.stdout),
-        plan=stage_plan(cfg, stage).as_dict(),
         extra={"code_dir": str(code_dir), "dependency": deps, "stderr": str(job.paths.stderr)},
     )
     ledger.event("submitted", stage, job_id=job_id, dependency=deps)

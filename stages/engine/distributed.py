@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from pipeline.launch import free_port  # noqa: F401  (re-exported: tests and workers pick ports here)
 
 
 @dataclass(frozen=True)
@@ -29,13 +30,6 @@ class DistEnv:
     local_rank: int
     master_addr: str
     master_port: int
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on this host."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env_int(environ: Mapping[str, str], key: str, default: int) -> int:
