@@ -93,6 +93,8 @@ class ModelConfig:
     """Dropout after attention/MLP."""
     attention_dropout: float = 0.0
     """Dropout of attention probabilities."""
+    attention_backend: str = "auto"
+    """Core attention of the local layer spec: sdpa (torch scaled_dot_product_attention, fused), unfused (megatron's DotProductAttention, for comparison), auto = sdpa."""
 
     def __post_init__(self) -> None:
         for k in (
@@ -115,6 +117,7 @@ class ModelConfig:
         _choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _choice("activation", self.activation, ("gelu", "swiglu"))
         _choice("position_embedding", self.position_embedding, ("learned_absolute", "rope"))
+        _choice("attention_backend", self.attention_backend, ("auto", "sdpa", "unfused"))
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             _fail(
                 "hidden_size",
@@ -337,6 +340,10 @@ class TrainStage:
     """Bad steps in a row that stop the run (any nan_policy)."""
     async_save: bool = False
     """Write periodic checkpoints in a background process (the final and stop-request saves stay synchronous)."""
+    pack_examples: bool = False
+    """SFT: pack consecutive examples into each sequence of seq_length tokens (positions restart and attention stays within each example; a sample is then a packed row)."""
+    checkpoint_verify: str = "full"
+    """How a resume checks the newest checkpoint, each rank its own files in parallel: full (every byte against the marker's sha256), sampled (sizes plus 8 sampled 4 MiB blocks per file), sizes."""
     beta: float = 0.1
     """DPO: strength of the KL anchor to the reference model (rlhf only)."""
     algorithm: str = "dpo"
@@ -354,6 +361,7 @@ class TrainStage:
         _positive("hang_timeout_s", self.hang_timeout_s, allow_zero=True)
         _positive("warmup_iters", self.warmup_iters, allow_zero=True)
         _choice("nan_policy", self.nan_policy, ("skip", "rollback", "stop"))
+        _choice("checkpoint_verify", self.checkpoint_verify, ("full", "sampled", "sizes"))
         if self.grad_spike_factor != 0 and not self.grad_spike_factor > 1:
             _fail("grad_spike_factor", self.grad_spike_factor, "must be 0 (off) or > 1")
         _positive("max_bad_steps", self.max_bad_steps)
@@ -563,6 +571,7 @@ _RESOURCE_KEYS = {
     "grad_spike_factor",
     "max_bad_steps",
     "async_save",
+    "checkpoint_verify",
 }
 _RESULT_PARALLEL_KEYS = ("global_batch_size", "precision")
 

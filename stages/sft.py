@@ -16,7 +16,7 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         from stages.engine.data import sft_source, valid_source
 
         d = data_dir(ctx)
-        train = sft_source(d / "sft_train.jsonl", tokenizer, seq_length, st.seed)
+        train = sft_source(d / "sft_train.jsonl", tokenizer, seq_length, st.seed, pack=st.pack_examples)
         return train, valid_source(d / "text_valid", tokenizer, seq_length, st.seed)  # watch forgetting
 
     return train_stage(cfg, ctx, step=make_step("sft"), sources=sources)

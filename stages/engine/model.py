@@ -75,6 +75,7 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization=model.normalization)
+    _set_core_attention(spec, model.attention_backend)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -88,6 +89,13 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
         rope_scaling=model.rotary_scaling,
         vp_stage=vp_stage,
     )
+
+
+def _set_core_attention(spec: Any, backend: str) -> None:
+    """Put ``model.attention_backend``'s core attention (stages.engine.attention) into the local spec."""
+    from stages.engine.attention import core_attention_class
+
+    spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend)
 
 
 def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> list[Any]:

@@ -55,7 +55,7 @@ def data_dir(ctx: StageContext) -> Path:
 def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: Sources) -> dict[str, Any]:
     """Run one training stage on this rank; returns rank-0 outputs (checkpoint, final_loss, steps, ...)."""
     from stages.engine import distributed as D
-    from stages.engine.checkpoint import find_latest
+    from stages.engine.checkpoint import find_latest, set_verify_mode
     from stages.engine.data import load_tokenizer
     from stages.engine.faults import FaultInjector
     from stages.engine.model import build_model, num_parameters
@@ -68,6 +68,7 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
     stop_flag = StopFlag().install()  # before init: a signal during start-up is not lost
     watchdog = Watchdog(st.hang_timeout_s, max_requeues=cfg.cluster.max_requeues).start()
     D.init(par.tp, par.pp, plan.vpp if plan else par.vpp, seed=st.seed, threads=st.threads)
+    set_verify_mode(st.checkpoint_verify)
     try:
         tokenizer = load_tokenizer(data_dir(ctx) / "tokenizer.json")
         chunks = build_model(cfg.model, par, tokenizer.vocab_size)
