@@ -215,6 +215,8 @@ class ClusterConfig:
     """Seconds before the time limit at which SLURM warns the job (SIGUSR1)."""
     max_requeues: int = 3
     """Times a crashed or hung job asks SLURM to requeue itself."""
+    fs_bandwidth_gb_s: float = 2.0
+    """Assumed read/write bandwidth one node gets from the shared filesystem, GB/s (the planner's checkpoint save/load/verify times)."""
 
     def __post_init__(self) -> None:
         _choice("executor", self.executor, ("local", "debug", "slurm"))
@@ -223,6 +225,8 @@ class ClusterConfig:
         _positive("ranks_per_node", self.ranks_per_node)
         _positive("cpus_per_node", self.cpus_per_node)
         _positive("max_requeues", self.max_requeues, allow_zero=True)
+        if not self.fs_bandwidth_gb_s > 0:
+            _fail("fs_bandwidth_gb_s", self.fs_bandwidth_gb_s, "must be > 0 (GB/s)")
         for k in self.env:
             if not k.replace("_", "").isalnum() or k[0].isdigit():
                 _fail(f"env.{k}", self.env[k], "environment variable names are letters, digits and _")
@@ -420,6 +424,8 @@ class PlannerConfig:
     """Memory of one GPU in GiB, as nvidia-smi reports it (H100: 80)."""
     reserve_gb: float = 4.0
     """GiB per GPU held back for the CUDA context, NCCL buffers and allocator fragmentation."""
+    sha256_gb_s: float = 1.5
+    """sha256 speed of one rank's core in GB/s (checkpoint verification; about 1.5 with SHA extensions)."""
 
     def __post_init__(self) -> None:
         if not self.gpu_peak_tflops > 0:
@@ -430,6 +436,8 @@ class PlannerConfig:
             _fail("gpu_memory_gb", self.gpu_memory_gb, "must be > 0")
         if not 0 <= self.reserve_gb < self.gpu_memory_gb:
             _fail("reserve_gb", self.reserve_gb, f"must be in [0, gpu_memory_gb={self.gpu_memory_gb})")
+        if not self.sha256_gb_s > 0:
+            _fail("sha256_gb_s", self.sha256_gb_s, "must be > 0 (GB/s)")
 
 
 @dataclass
