@@ -92,8 +92,6 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     tokenizer = _tokenizer_from_str(tok_json)
     timings["tokenizer_s"] = time.perf_counter() - t
 
-    import megatron.core.datasets.indexed_dataset  # noqa: F401  (slow first import: keep it out of the timing)
-
     t = time.perf_counter()
     dtype = token_dtype(tokenizer.vocab_size)
     scratch = out / f".shards-{world.on_root(lambda: uuid.uuid4().hex[:8])}"
@@ -336,16 +334,14 @@ def token_dtype(vocab_size: int) -> type[np.number]:
 
 def write_shard(tokenizer: Tokenizer, docs: list[str], prefix: Path, dtype: type[np.number]) -> int:
     """Tokenize ``docs`` into indexed dataset ``prefix``.bin/.idx (one entry per document, eod appended)."""
-    import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from stages.indexed import IndexedWriter  # megatron's format without importing megatron.core
 
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    builder = IndexedWriter(f"{prefix}.bin", dtype=dtype)
     total = 0
     for i in range(0, len(docs), ENCODE_BATCH):
         for ids in tokenizer.encode_batch(docs[i : i + ENCODE_BATCH]):
             ids.append(tokenizer.eod)
-            builder.add_item(torch.from_numpy(np.asarray(ids, dtype=np.int64)))
-            builder.end_document()
+            builder.add_document(ids)
             total += len(ids)
     builder.finalize(f"{prefix}.idx")
     return total
@@ -353,10 +349,10 @@ def write_shard(tokenizer: Tokenizer, docs: list[str], prefix: Path, dtype: type
 
 def merge_shards(shards: list[Path], prefix: Path, dtype: type[np.number]) -> None:
     """Concatenate shard datasets in order into ``prefix``.bin/.idx (temp names, then renamed)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from stages.indexed import IndexedWriter
 
     tmp = prefix.with_name(f".{prefix.name}.tmp")
-    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
+    builder = IndexedWriter(f"{tmp}.bin", dtype=dtype)
     for shard in shards:
         builder.add_index(str(shard))
     builder.finalize(f"{tmp}.idx")
