@@ -6,7 +6,8 @@ Two gloo ranks each hold a tensor of ``--gb-per-rank`` GB (fp32, one shard per r
 ``stages.engine.checkpoint.save`` (the real commit: checksums, marker with whole-file sha256 and sampled
 block hashes). Then, interleaved for ``--reps`` repetitions, the median of:
 
-- ``verify, rank 0 alone``: ``find_latest(collective=False)`` on rank 0, every file (what a resume did before).
+- ``verify, rank 0 alone``: ``find_latest(collective=False)`` on rank 0, every file in turn, one thread (what a
+  resume did before).
 - ``verify, per rank (full)``: ``find_latest`` on both ranks, each hashing the files it wrote.
 - ``verify, per rank (sampled)``: the same in ``checkpoint_verify=sampled`` mode (sizes + 8 blocks per file).
 - ``load``: ``checkpoint.load`` of the tensors (dist_checkpointing, both ranks).
@@ -68,9 +69,13 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         dist.barrier()
         return time.perf_counter() - t
 
-    def alone() -> None:
+    def alone() -> None:  # as before: rank 0 hashes every file, one after the other
         if rank == 0:
-            assert ck.find_latest(root, collective=False) == path
+            threads, ck._VERIFY_THREADS = ck._VERIFY_THREADS, 1
+            try:
+                assert ck.find_latest(root, collective=False) == path
+            finally:
+                ck._VERIFY_THREADS = threads
 
     cases = {
         "verify_rank0_alone": alone,

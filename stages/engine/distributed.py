@@ -88,6 +88,7 @@ def init(
         )
     from stages.engine import cpu_compat
 
+    cpu_compat.skip_torch_compile()
     cpu_compat.install()
     from megatron.core import parallel_state
 
