@@ -139,7 +139,7 @@ def _sample_blocks(size: int) -> list[int]:
     return sorted({round(i * (count - 1) / (_SAMPLES - 1)) for i in range(_SAMPLES)})
 
 
-def _file_record(path: Path, *, fsync: bool = False) -> dict[str, Any]:
+def _file_record(path: Path, *, fsync: bool = False, samples: bool = True) -> dict[str, Any]:
     """``{"size", "sha256", "blocks"}`` of a file, read once; with ``fsync`` its data is flushed first.
 
     ``blocks`` maps the sampled block indices (``_sample_blocks``) to their own sha256, for the cheaper
@@ -149,7 +149,7 @@ def _file_record(path: Path, *, fsync: bool = False) -> dict[str, Any]:
     with open(path, "rb") as f:
         if fsync:
             os.fsync(f.fileno())
-        wanted = set(_sample_blocks(os.fstat(f.fileno()).st_size))
+        wanted = set(_sample_blocks(os.fstat(f.fileno()).st_size)) if samples else set()
         blocks = {}
         while block := f.read(_HASH_BLOCK):
             digest.update(block)
@@ -282,7 +282,7 @@ def _check_file(path: Path, record: Any, checksums: bool | str) -> list[str]:
     if size != record["size"]:
         return [f"{path}: size {size} bytes, the marker records {record['size']}"]
     if mode == "full":
-        digest = _file_record(path)["sha256"]
+        digest = _file_record(path, samples=False)["sha256"]
         if digest != record["sha256"]:
             return [f"{path}: sha256 {digest[:16]} differs from the marker's {record['sha256'][:16]}"]
     elif mode == "sampled":
