@@ -7,7 +7,9 @@ fresh run directory and prints, per stage, the wall time from submission to comp
 ``submitted_at`` -> ``ended_at``), the job's own time (``started_at`` -> ``ended_at``) and, for training
 stages, the ``startup`` metrics record (job start -> first training step, and its parts). The baseline run in
 the same script is the floor every training job pays: a fresh interpreter importing torch and megatron.core
-(``import floor``); the ratio is each training stage's time to its first step over that floor.
+(``import floor``); the ratio is each training stage's time to its first step over that floor. With
+``--compile-baseline`` each repetition also runs the graph with torch.compile kept in the jobs (as before
+``cpu_compat.skip_torch_compile``), interleaved, and the ratio of the end-to-end times is printed.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ def import_floor() -> float:
     return time.perf_counter() - t
 
 
-def one_run(overrides: list[str]) -> dict:
+def one_run(overrides: list[str], env: dict[str, str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         t, t_epoch = time.perf_counter(), time.time()
         cmd = [sys.executable, "-m", "pipeline", "experiment=tiny", f"run.root={tmp}", *overrides]
-        subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
+        subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, env=env)
         total, end_epoch = time.perf_counter() - t, time.time()
         (run_dir,) = [p for p in Path(tmp).iterdir() if p.is_dir() and not p.name.startswith(".")]
         out: dict = {"total_s": total, "stages": {}}
@@ -67,12 +69,19 @@ def one_run(overrides: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=1)
+    p.add_argument(
+        "--compile-baseline",
+        action="store_true",
+        help="also run each repetition with TORCHDYNAMO_DISABLE=0 (torch.compile kept, as before) and print the ratio",
+    )
     p.add_argument("overrides", nargs="*", help="extra pipeline overrides")
     args = p.parse_args(argv)
-    floors, runs = [], []
+    floors, runs, baseline = [], [], []
     for _ in range(args.reps):
         floors.append(import_floor())
         runs.append(one_run(args.overrides))
+        if args.compile_baseline:
+            baseline.append(one_run(args.overrides, {**os.environ, "TORCHDYNAMO_DISABLE": "0"}))
     floor = statistics.median(floors)
     total = statistics.median(r["total_s"] for r in runs)
     print(f"experiment=tiny end to end: {total:.1f} s (median of {args.reps}); import floor {floor:.2f} s")
@@ -92,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"({s['to_first_step_s'] / floor:.2f}x the import floor; {parts})"
             )
         print(line)
+    if baseline:
+        before = statistics.median(r["total_s"] for r in baseline)
+        print(
+            f"with torch.compile kept (TORCHDYNAMO_DISABLE=0): {before:.1f} s; ratio now / then {total / before:.2f}"
+        )
     return 0
 
 
