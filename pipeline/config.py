@@ -659,20 +659,29 @@ def stage_own_config(pc: PipelineConfig, name: str) -> dict[str, Any]:
     return own
 
 
-def stage_hashes(pc: PipelineConfig) -> dict[str, str]:
-    """Each stage's hash: its own result-deciding config plus its upstream stages' hashes."""
+def stage_hashes(pc: PipelineConfig, with_inputs: bool = True) -> dict[str, str]:
+    """Each stage's hash: its own result-deciding config plus its upstream stages' hashes.
+
+    ``with_inputs``: data_prep's hash also covers the contents of its input files
+    (``pipeline.data_identity``), so editing a corpus file reruns data_prep and everything downstream.
+    """
     from pipeline.graph import upstream
 
     out: dict[str, str] = {}
     for name in STAGES:
         ups = {u: out[u] for u in upstream(name)}
-        out[name] = _digest({"stage": name, "own": stage_own_config(pc, name), "upstream": ups})
+        own = stage_own_config(pc, name)
+        if name == "data_prep" and with_inputs:
+            from pipeline.data_identity import inputs_digest
+
+            own["inputs"] = inputs_digest(pc)
+        out[name] = _digest({"stage": name, "own": own, "upstream": ups})
     return out
 
 
 def run_hash(pc: PipelineConfig) -> str:
-    """Hash naming the run directory: every stage's result-deciding config (not which subset runs)."""
-    return _digest(stage_hashes(pc))[:8]
+    """Hash naming the run directory: every stage's result-deciding config (not which subset runs, not the data files' contents)."""
+    return _digest(stage_hashes(pc, with_inputs=False))[:8]
 
 
 # ---------------------------------------------------------------------------- Hydra

