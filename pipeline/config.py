@@ -279,6 +279,12 @@ class DataConfig:
     """corpus=sources: a malformed or undecodable record: fail (naming file and line) or skip (counted, first examples logged)."""
     shard_mb: float = 64.0
     """corpus=sources: plain .txt/.jsonl files are cut into byte ranges of this size (units of work and resume)."""
+    sft_paths: list[str] = field(default_factory=list)
+    """SFT data instead of the generated task: JSON lines (.jsonl/.gz/.zst) or Parquet files/globs of {messages: [{role, content}]} or {prompt, response}."""
+    pref_paths: list[str] = field(default_factory=list)
+    """DPO data instead of the generated pairs: files/globs of {prompt, chosen, rejected}, each a string or a message list."""
+    chat_template: str = "project"
+    """Renders sft_paths/pref_paths: project (<|user|>...<|assistant|>...<|endoftext|>), tokenizer (the chat_template of the HF tokenizer directory tokenizer_path) or a .jinja file."""
     tokenizer_sample_mb: float = 100.0
     """corpus=sources: MB of documents (in source order) the BPE is trained on."""
     text_paths: list[str] = field(default_factory=list)
@@ -323,6 +329,10 @@ class DataConfig:
                 "sources that are all megatron prefixes need the tokenizer they were made with",
             )
         _choice("bad_records", self.bad_records, ("fail", "skip"))
+        if self.chat_template not in ("project", "tokenizer") and not self.chat_template.endswith(".jinja"):
+            _fail("chat_template", self.chat_template, "project, tokenizer or a path to a .jinja file")
+        if self.chat_template == "tokenizer" and self.tokenizer_path is None:
+            _fail("chat_template", self.chat_template, "needs data.tokenizer_path (a HF tokenizer directory)")
         _range("test_fraction", self.test_fraction, 0.0, 0.5)
         _positive("min_chars", self.min_chars, allow_zero=True)
         _positive("max_chars", self.max_chars, allow_zero=True)

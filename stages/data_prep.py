@@ -120,6 +120,7 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         shutil.rmtree(scratch, ignore_errors=True)
         world.barrier()
     counts = write_task_files(out, d, held)
+    counts.update(write_chat_files(out, d))
     _atomic_write(out / "tokenizer.json", tok_json)
     counts.update(
         documents_text=len(text_docs),
@@ -400,8 +401,11 @@ def write_manifest(
     names = ["tokenizer.json", "sft_train.jsonl", "pref_train.jsonl", "eval_task.jsonl", "eval_pref.jsonl"]
     text_files = text_files if text_files is not None else [f"text_{s}" for s in ("train", "valid")]
     names += [f"{t}{ext}" for t in text_files for ext in (".bin", ".idx")]
+    chat = {k: f for k, f in (("sft_file", SFT_CHAT), ("pref_file", PREF_CHAT)) if (out / f).is_file()}
+    names += list(chat.values())
     manifest = {
         **(extra or {}),
+        **chat,
         "format": 1,
         "vocab_size": tokenizer.vocab_size,
         "special_tokens": {
@@ -641,6 +645,7 @@ def _merge_sources(
                 f"[data_prep] {name}: skipped {c['malformed']} malformed records, e.g. {c.get('examples', [])}"
             )
     counts = write_task_files(out, d, held)
+    counts.update(write_chat_files(out, d))
     _atomic_write(out / "tokenizer.json", tok_json)
     counts.update(
         documents_train=train_docs + len(task_docs),
@@ -665,3 +670,61 @@ def _digest(obj: Any) -> str:
     import hashlib
 
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------- users' SFT and preference data
+
+SFT_CHAT = "sft_chat.jsonl"
+PREF_CHAT = "pref_chat.jsonl"
+
+
+def write_chat_files(out: Path, d: DataConfig) -> dict[str, int]:
+    """Render ``data.sft_paths`` / ``data.pref_paths`` with ``data.chat_template`` (stages.engine.chat).
+
+    ``sft_chat.jsonl`` holds ``{"segments": [[text, trained], ...]}``, ``pref_chat.jsonl`` rendered
+    ``{"prompt", "chosen", "rejected"}``; the manifest names them (``sft_file``, ``pref_file``) and the SFT
+    and rlhf stages then train on them instead of the generated task sets (still written, for eval).
+    """
+    from stages.engine import chat
+
+    counts: dict[str, int] = {}
+    for name, paths, render in (
+        (SFT_CHAT, d.sft_paths, chat.render_sft),
+        (PREF_CHAT, d.pref_paths, chat.render_preference),
+    ):
+        (out / name).unlink(missing_ok=True)
+        if not paths:
+            continue
+        key = "data.sft_paths" if name == SFT_CHAT else "data.pref_paths"
+        tpl = chat.ChatTemplate(chat.load_template(d.chat_template, d.tokenizer_path), SPECIAL_TOKENS["eod"])
+        tmp = out / f".{name}.tmp"
+        n = 0
+        with open(tmp, "w", encoding="utf-8") as f:
+            for path in _expand_any(paths, key):
+                for where, rec in chat.iter_records(path):
+                    f.write(json.dumps(render(rec, where, tpl)) + "\n")
+                    n += 1
+            f.flush()
+            os.fsync(f.fileno())
+        if not n:
+            raise ValueError(f"{key}: no records in {paths}")
+        os.replace(tmp, out / name)
+        counts[name.removesuffix(".jsonl")] = n
+    return counts
+
+
+def _expand_any(patterns: list[str], key: str) -> list[Path]:
+    files: list[Path] = []
+    for pat in patterns:
+        hits = (
+            sorted(Path(p) for p in glob.glob(pat, recursive=True) if Path(p).is_file())
+            if glob.has_magic(pat)
+            else [Path(pat)]
+        )
+        for h in hits:
+            if not h.is_file():
+                raise ValueError(f"{key}: file not found: {h}")
+        if not hits:
+            raise ValueError(f"{key}: pattern {pat!r} matches no file")
+        files += hits
+    return files
