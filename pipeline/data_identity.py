@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -171,10 +172,22 @@ def shared_data_prep(pc: Any, out_dir: Path, prepare: Callable[[], dict[str, Any
     out = Path(out_dir).resolve()
     rank = int(os.environ.get("RANK", "0") or 0)
     done = out / "outputs.json"
+    # rank 0 decides (reuse or prepare) under the lock and tells the job's other ranks through a file
+    nonce = f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}".replace("/", "_")
+    decision = out / f".decision-{nonce}"
     lock = _locked(out.parent / f"{out.name}.lock") if rank == 0 else contextlib.nullcontext()
     with lock:
-        if done.is_file() and (out / "manifest.json").is_file():
-            outputs: dict[str, Any] = json.loads(done.read_text())
+        if rank == 0:
+            reuse = done.is_file() and (out / "manifest.json").is_file()
+            tmp = decision.with_name(decision.name + ".tmp")
+            tmp.write_text("reuse" if reuse else "prepare")
+            os.replace(tmp, decision)
+        else:
+            while not decision.is_file():
+                time.sleep(0.05)
+            reuse = decision.read_text() == "reuse"
+        if reuse:
+            outputs: dict[str, Any] = json.loads(done.read_text()) if rank == 0 else {"rank": rank}
             outputs.update(reused=True, shared_dir=str(out))
             return outputs
         outputs = prepare()

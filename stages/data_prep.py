@@ -66,7 +66,7 @@ _SPLIT, _HELD_OUT, _SFT, _PREF, _MIX, _EVAL_PREF = range(6)
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     os.environ["RAYON_NUM_THREADS"] = str(cfg.data_prep.threads)  # before tokenizers starts its pool
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    world = _world(cfg)
+    world = _world(cfg, Path(ctx.out_dir))
     env_rank = int(os.environ.get("RANK", "0") or 0)
     if world.size == 1 and env_rank > 0:
         return {"rank": env_rank, "idle": "ranks without MPI do not share data prep; rank 0 did it"}
@@ -473,12 +473,77 @@ class _World:
         if self.comm is not None:
             self.comm.Barrier()
 
+    def allgather(self, value: Any) -> list[Any]:
+        return [value] if self.comm is None else list(self.comm.allgather(value))
+
+
+def _job_nonce() -> str:
+    """Names one launch of the job (every rank sees the same rendezvous address and port)."""
+    return f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}".replace("/", "_")
+
+
+class _FileWorld(_World):
+    """N ranks started by the job launcher without MPI (local executor tasks, srun tasks): they meet through
+    files in a folder every rank sees (the stage's output directory, on a shared filesystem on clusters)."""
+
+    POLL_S = 0.05
+
+    def __init__(self, rank: int, size: int, folder: Path) -> None:
+        super().__init__()
+        self.rank, self.size, self.folder, self._n = rank, size, folder, 0
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def _put(self, name: str, value: Any) -> None:
+        import pickle
+
+        tmp = self.folder / f".{name}.tmp"
+        tmp.write_bytes(pickle.dumps(value))
+        os.replace(tmp, self.folder / name)
+
+    def _get(self, name: str) -> Any:
+        import pickle
+
+        path = self.folder / name
+        while not path.is_file():
+            time.sleep(self.POLL_S)
+        return pickle.loads(path.read_bytes())
+
+    def _exchange(self, value: Any) -> list[Any]:
+        self._n += 1
+        self._put(f"{self._n}-{self.rank}", value)
+        return [self._get(f"{self._n}-{r}") for r in range(self.size)]
+
+    def on_root(self, fn: Callable[[], T]) -> T:
+        result: tuple[str, Any] = ("ok", None)
+        if self.rank == 0:
+            try:
+                result = ("ok", fn())
+            except Exception as e:
+                result = ("error", e)
+        result = self._exchange(result)[0]
+        if result[0] == "error":
+            raise result[1]
+        return result[1]
+
+    def sum(self, value: int) -> int:
+        return int(sum(self._exchange(value)))
+
+    def barrier(self) -> None:
+        self._exchange(None)
+
+    def allgather(self, value: Any) -> list[Any]:
+        return self._exchange(value)
+
 
 _MPI_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 
 
-def _world(cfg: PipelineConfig) -> _World:
-    if not any(int(os.environ.get(k, "1") or 1) > 1 for k in _MPI_ENV):
+def _world(cfg: PipelineConfig, out: Path | None = None) -> _World:
+    env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    mpi = any(int(os.environ.get(k, "1") or 1) > 1 for k in _MPI_ENV)
+    if not mpi and env_world > 1 and cfg.data.corpus == "sources" and out is not None:
+        return _FileWorld(int(os.environ.get("RANK", "0") or 0), env_world, out / f".world-{_job_nonce()}")
+    if not mpi:
         if (cfg.data_prep.parallel.dp or 1) > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
             warnings.warn(
                 "data_prep.parallel.dp > 1 but not launched by mpiexec: tokenizing on one rank", stacklevel=2
@@ -527,8 +592,8 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: _World) -> dict[str, 
     key = _digest({"data": cfg.to_dict()["data"], "tokenizer": tok_json})
     scratch = out / f".shards-{key}"
     if world.rank == 0:
-        for stale in out.glob(".shards-*"):
-            if stale != scratch:
+        for stale in [*out.glob(".shards-*"), *out.glob(".world-*")]:
+            if stale not in (scratch, getattr(world, "folder", None)):
                 shutil.rmtree(stale, ignore_errors=True)
         scratch.mkdir(exist_ok=True)
     world.barrier()
@@ -542,7 +607,7 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: _World) -> dict[str, 
             ds.write_unit(u, d.sources[u.source], d, tokenizer, dtype, scratch)
     except Exception as e:  # every rank must learn of it, or the others wait at the barrier forever
         error = e
-    errors = [error] if world.comm is None else world.comm.allgather(error)
+    errors = world.allgather(error)
     for e in errors:
         if e is not None:
             raise e

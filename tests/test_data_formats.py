@@ -277,3 +277,52 @@ def test_source_config_errors_name_the_key(tmp_path: Path) -> None:
     cfg.data.sources = [DataSource(path=str(tmp_path / "missing.jsonl"))]
     with pytest.raises(ValueError, match=r"data\.sources\[0\]\.path=.*missing\.jsonl"):
         run_prep(cfg, tmp_path / "dp")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_two_ranks_under_the_local_executor_byte_identical_to_one(tmp_path: Path) -> None:
+    """``data_prep.parallel.dp=2``: the local executor starts 2 processes that share the units through files."""
+    import subprocess
+    import sys
+
+    for f in range(3):
+        (tmp_path / f"c{f}.jsonl").write_text(
+            "".join(json.dumps({"text": t}) + "\n" for t in docs(150, f, f"f{f}"))
+        )
+    common = [
+        "run.stages=[data_prep]",
+        "data.corpus=sources",
+        f"data.sources=[{{path: '{tmp_path}/*.jsonl'}}]",
+        "data.shard_mb=0.01",
+        "data.vocab_size=300",
+        "data.num_sft_examples=10",
+        "data.num_pref_pairs=10",
+        "data.num_eval_examples=10",
+        "data.max_operand=30",
+        "data_prep.threads=1",
+    ]
+    shared = []
+    for n in (1, 2):
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                f"run.root={tmp_path / f'r{n}'}",
+                f"data_prep.parallel.dp={n}",
+                *common,
+            ],
+            cwd=Path(__file__).resolve().parent.parent,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        (d,) = [p for p in (tmp_path / f"r{n}" / ".data").glob("data_prep-*") if p.is_dir()]
+        assert json.loads((d / "outputs.json").read_text())["ranks"] == n
+        shared.append(d)
+    names = sorted(read_manifest(shared[0])["files"]) + ["manifest.json"]
+    assert any(n.startswith("text_train-") for n in names)
+    for name in names:
+        assert (shared[0] / name).read_bytes() == (shared[1] / name).read_bytes(), name
