@@ -61,6 +61,10 @@ def input_files(pc: Any) -> list[Path]:
     else:
         for src in d.sources:
             files += _shakespeare() if src.format == "shakespeare" else _expand(src.path)
+    for pat in [*d.sft_paths, *d.pref_paths]:
+        files += _expand(pat)
+    if d.chat_template not in ("project", "tokenizer"):
+        files += _expand(d.chat_template)
     if d.tokenizer_path:
         files += _expand(d.tokenizer_path)
     out: list[Path] = []
@@ -198,3 +202,88 @@ def shared_data_prep(pc: Any, out_dir: Path, prepare: Callable[[], dict[str, Any
             tmp.write_text(json.dumps(outputs, sort_keys=True, default=str))
             os.replace(tmp, done)
     return outputs
+
+
+# ---------------------------------------------------------------------------- pre-flight
+
+
+def check_data_inputs(pc: Any) -> list[str]:
+    """Problems with data_prep's inputs, found before any job starts (empty list: all good).
+
+    Every input file must exist, be readable and not be empty; the first record of a JSON-lines file must
+    parse and hold the source's field; a Parquet file must have the columns; and the corpus must hold
+    (roughly, at 4 bytes per token) the tokens of one global batch of pretrain.
+    """
+    d = pc.data
+    problems: list[str] = []
+    total = 0
+    for f in input_files(pc):
+        if not f.is_file():
+            problems.append(f"data: input file not found: {f}")
+            continue
+        if not os.access(f, os.R_OK):
+            problems.append(f"data: input file not readable: {f}")
+            continue
+        size = f.stat().st_size
+        if size == 0:
+            problems.append(f"data: input file is empty: {f}")
+        total += size
+    if d.corpus == "sources":
+        for i, src in enumerate(d.sources):
+            problems += _check_sample(src, f"data.sources[{i}]")
+    for key, pats in (("data.sft_paths", d.sft_paths), ("data.pref_paths", d.pref_paths)):
+        for pat in pats:
+            for f in _expand(pat):
+                if f.is_file() and f.suffix == ".jsonl":
+                    problems += _first_json(f, key, None)
+    if "pretrain" in pc.run.stages and d.corpus != "shakespeare":
+        need = pc.pretrain.parallel.global_batch_size * (pc.pretrain.seq_length or pc.model.seq_length)
+        if total and total / 4 < need:
+            problems.append(
+                f"data: the inputs hold about {int(total / 4)} tokens, fewer than one global batch of pretrain "
+                f"({need} = global_batch_size x seq_length)"
+            )
+    return problems
+
+
+def _first_json(f: Path, key: str, field: str | None) -> list[str]:
+    with open(f, "rb") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                return [f"{key}: {f}:{n}: not valid JSON: {e}"]
+            if field is not None and not (isinstance(rec, dict) and isinstance(rec.get(field), str)):
+                return [f"{key}: {f}:{n}: no string field {field!r}"]
+            return []
+    return [f"{key}: {f}: no records"]
+
+
+def _check_sample(src: Any, key: str) -> list[str]:
+    if src.format in ("megatron", "shakespeare", "hf"):
+        return []
+    out: list[str] = []
+    for f in _expand(src.path):
+        if not f.is_file():
+            continue
+        if f.name.endswith(".jsonl"):
+            out += _first_json(f, key, None if src.template else src.text_field)
+        elif f.name.endswith(".parquet"):
+            try:
+                import pyarrow.parquet as pq
+
+                names = set(pq.ParquetFile(f).schema_arrow.names)
+            except Exception as e:  # pyarrow raises several types for a damaged file
+                out.append(f"{key}: {f}: not a readable Parquet file: {e}")
+                continue
+            if src.template:
+                import string
+
+                wanted = {x for _, x, _, _ in string.Formatter().parse(src.template) if x}
+            else:
+                wanted = {src.text_field}
+            if wanted - names:
+                out.append(f"{key}: {f}: no column {sorted(wanted - names)[0]!r} (columns: {sorted(names)})")
+    return out

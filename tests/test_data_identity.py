@@ -106,3 +106,22 @@ def test_lr_sweep_prepares_data_once_and_an_edit_reruns_it(tmp_path: Path) -> No
         sum(not o.get("reused") and "timings" in o for o in again) == 1
     )  # prepared anew, in a new shared copy
     assert len(list((tmp_path / "runs" / ".data").glob("data_prep-*/manifest.json"))) == 2
+
+
+def test_preflight_names_missing_empty_and_unparseable_inputs(tmp_path: Path) -> None:
+    good = tmp_path / "c.jsonl"
+    write_corpus(good, n=200)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"txt": "no text field"}\n')
+    cfg = load_config(overrides(tmp_path, good))
+    assert data_identity.check_data_inputs(cfg) == []
+    cfg.data.sources[0].path = str(tmp_path / "*.jsonl")
+    cfg.data.sft_paths = [str(tmp_path / "missing.jsonl")]
+    problems = "\n".join(data_identity.check_data_inputs(cfg))
+    assert "empty: " + str(tmp_path / "empty.jsonl") in problems
+    assert "bad.jsonl:1: no string field 'text'" in problems
+    assert "not found: " + str(tmp_path / "missing.jsonl") in problems
+    cfg = load_config(
+        [*overrides(tmp_path, tmp_path / "bad.jsonl"), "pretrain.parallel.global_batch_size=64"]
+    )
+    assert "fewer than one global batch" in "\n".join(data_identity.check_data_inputs(cfg))
