@@ -198,7 +198,7 @@ def data_counts_lines(outputs: dict[str, Any]) -> str:
             f"{k} {c[k]}" for k in ("duplicates", "malformed", "empty", "too_short", "too_long") if c.get(k)
         )
         lines += (
-            f"    {name}: {c.get('documents', 0)} documents"
+            f"    {name}: {c.get('documents', 0) - c.get('duplicates', 0)} documents kept"
             + (f" (dropped: {dropped})" if dropped else "")
             + "\n"
         )

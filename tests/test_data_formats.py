@@ -158,6 +158,9 @@ def test_dedup_and_length_filters_are_counted(tmp_path: Path) -> None:
     assert (a["documents"], a["duplicates"], a["too_short"], a["too_long"]) == (35, 5, 3, 1)
     assert (b["documents"], b["duplicates"]) == (4, 4)  # all four were seen in source a first
     assert r["counts"]["documents_train"] == 30
+    from pipeline.orchestrate import data_counts_lines  # the results summary's lines
+
+    assert "a: 30 documents kept (dropped: duplicates 5, too_short 3, too_long 1)" in data_counts_lines(r)
     cfg.data.dedup = False
     assert run_prep(cfg, tmp_path / "dp2")["counts"]["documents_train"] == 39
 
