@@ -19,6 +19,9 @@ from pipeline.graph import dependencies, order, upstream
 from pipeline.launch import free_port, make_executor, mark_submitted, run_stage, sbatch_script, stage_out_dir
 from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, STOPPED, Ledger, StageRecord
 from pipeline.plan import stage_plan
+from pipeline.slurm_submit import SubmitError
+
+__all__ = ["RunError", "SubmitError", "execute"]
 
 
 class RunError(RuntimeError):
@@ -72,6 +75,11 @@ def execute(cfg: PipelineConfig, *, out: TextIO = sys.stdout) -> int:
     run_dir = run_dir_for(cfg)
     if cfg.run.dry_run:
         return dry_run(cfg, run_dir, out)
+    if cfg.cluster.executor == "slurm":
+        from pipeline.slurm_submit import check_slurm
+
+        check_slurm()  # no sbatch, or the controller does not answer: stop before writing anything
+    fresh = not run_dir.exists()
     ledger = Ledger(run_dir)
     d = decide(cfg, ledger, alive=_job_alive)
     print(f"run directory: {run_dir}", file=out)
@@ -91,7 +99,19 @@ def execute(cfg: PipelineConfig, *, out: TextIO = sys.stdout) -> int:
     if cfg.cluster.executor == "slurm":
         from pipeline.slurm_submit import submit_graph
 
-        return submit_graph(cfg, run_dir, d.submit, out=out)
+        try:
+            return submit_graph(cfg, run_dir, d.submit, out=out)
+        except SubmitError as e:
+            if fresh and e.submitted == 0:  # SLURM took nothing: leave nothing behind
+                import shutil
+
+                shutil.rmtree(run_dir, ignore_errors=True)
+            else:
+                print(
+                    f"run directory: {run_dir} (python -m pipeline.status reads it; re-run to resubmit)",
+                    file=out,
+                )
+            raise
     for s in d.submit:
         _run_one_local(cfg, s, run_dir, ledger, out)
     return summarize(cfg, run_dir, out)
