@@ -317,7 +317,7 @@ def _kind(full_key: str) -> str:
     elif typing.get_origin(base) is dict:
         text = "a mapping, e.g. {KEY: value}"
     elif dataclasses.is_dataclass(base):
-        text = f"a mapping of {base.__name__} keys ({', '.join(x.name for x in dataclasses.fields(base))})"
+        text = f"a mapping of {getattr(base, '__name__', base)} keys ({', '.join(x.name for x in dataclasses.fields(base))})"
     else:
         text = f"a {getattr(base, '__name__', base)}"
     return text + (" or null" if optional else " (not null)")

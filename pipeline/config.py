@@ -644,21 +644,29 @@ def from_dict(data: dict[str, Any]) -> PipelineConfig:
 
 # ---------------------------------------------------------------------------- hashes
 
-# Keys that do not change what a stage computes: where and how it runs, not what it learns.
-_RESOURCE_KEYS = {
-    "time_min",
-    "threads",
-    "parallel",
-    "hang_timeout_s",
-    "log_interval",
-    "save_interval",
-    "keep_last",
-    "nan_policy",
-    "grad_spike_factor",
-    "max_bad_steps",
-    "async_save",
+# Run identity. Every key changes a stage's hash unless it is listed here with the reason it cannot change
+# results (tests/test_config.py enumerates every schema field and checks each is classified).
+IDENTITY_EXCLUDED_SECTIONS: dict[str, str] = {
+    "run": "what to run now and where its records go: the name and root name the directory itself, "
+    "stages picks a subset (each stage's hash covers its own inputs), dry_run/follow only change the command",
+    "cluster": "where and how jobs run (executor, resources, time limits, environment, requeues)",
+    "planner": "assumptions of the resource planner (python -m pipeline.plan); no job reads them",
 }
-_RESULT_PARALLEL_KEYS = ("global_batch_size", "precision")
+IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
+    "time_min": "job time limit: a stage stopped by it resumes exactly",
+    "threads": "CPU threads per rank: speed only",
+    "hang_timeout_s": "watchdog: only decides when a hung rank gives up",
+    "log_interval": "how often metrics are printed",
+    "save_interval": "checkpoint cadence: resume and rollback replay exactly",
+    "keep_last": "how many checkpoints are kept on disk",
+    "max_bad_steps": "only decides whether a stage stops; a completed stage's result does not depend on it",
+    "async_save": "checkpoint writing in the background: the saved state is the same",
+}
+IDENTITY_PARALLEL_KEYS = ("global_batch_size", "precision")
+"""The only parallel keys that change results; the rest is the layout, which must not (same weights at step 0
+and the same data order under any tp/pp/vpp/dp)."""
+# nan_policy and grad_spike_factor stay in the identity: skip/rollback/stop and the spike threshold decide
+# which updates happen when a bad step occurs, so they can change the trajectory.
 
 
 def _digest(obj: Any) -> str:
@@ -668,8 +676,8 @@ def _digest(obj: Any) -> str:
 def stage_own_config(pc: PipelineConfig, name: str) -> dict[str, Any]:
     """The part of the config that decides a stage's result (cluster and resources excluded)."""
     st = dataclasses.asdict(pc.stage(name))
-    own = {k: v for k, v in st.items() if k not in _RESOURCE_KEYS}
-    own["parallel"] = {k: st["parallel"][k] for k in _RESULT_PARALLEL_KEYS}
+    own = {k: v for k, v in st.items() if k not in IDENTITY_EXCLUDED_STAGE_KEYS}
+    own["parallel"] = {k: st["parallel"][k] for k in IDENTITY_PARALLEL_KEYS}
     if name == "data_prep":
         own["data"] = dataclasses.asdict(pc.data)
     else:

@@ -70,8 +70,9 @@ def decide(cfg: PipelineConfig, ledger: Ledger, alive: Any = None) -> Decision:
     return d
 
 
-def execute(cfg: PipelineConfig, *, out: TextIO = sys.stdout) -> int:
+def execute(cfg: PipelineConfig, *, out: TextIO | None = None) -> int:
     """Plan, submit and (for local/debug) follow one run. Returns a process exit code."""
+    out = out or sys.stdout
     run_dir = run_dir_for(cfg)
     if cfg.run.dry_run:
         return dry_run(cfg, run_dir, out)
