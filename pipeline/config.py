@@ -660,13 +660,15 @@ IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
     "save_interval": "checkpoint cadence: resume and rollback replay exactly",
     "keep_last": "how many checkpoints are kept on disk",
     "max_bad_steps": "only decides whether a stage stops; a completed stage's result does not depend on it",
+    "nan_policy": "skip and rollback give bit-identical weights (tests/test_nan_policy.py); stop only ends "
+    "the stage",
     "async_save": "checkpoint writing in the background: the saved state is the same",
 }
 IDENTITY_PARALLEL_KEYS = ("global_batch_size", "precision")
 """The only parallel keys that change results; the rest is the layout, which must not (same weights at step 0
 and the same data order under any tp/pp/vpp/dp)."""
-# nan_policy and grad_spike_factor stay in the identity: skip/rollback/stop and the spike threshold decide
-# which updates happen when a bad step occurs, so they can change the trajectory.
+# grad_spike_factor stays in the identity: the spike threshold decides which updates are dropped, so it
+# changes the trajectory whenever it is on.
 
 
 def _digest(obj: Any) -> str:
