@@ -69,13 +69,16 @@ def _hydra_main(args: list[str]) -> int:
     from omegaconf import DictConfig
 
     from pipeline.config import CONF_DIR, build_config, register_configs
+    from pipeline.preflight import preflight
 
     codes: list[int] = []
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def run(cfg: DictConfig) -> None:
         try:
-            codes.append(_execute(build_config(cfg, inputs=True)))
+            pc = build_config(cfg)
+            preflight(pc)
+            codes.append(_execute(pc))
         except ConfigError as e:
             codes.append(report(e))
 

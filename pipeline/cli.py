@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import CONF_DIR, ConfigError, PipelineConfig, build_config, compose, domain_of
+from pipeline.preflight import preflight
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -91,8 +92,10 @@ def load(overrides: list[str], *, inputs: bool = True) -> PipelineConfig:
     Every mistake raises ConfigError in the one shape, whatever caught it.
     """
     try:
-        cfg = compose(overrides)
-        return build_config(cfg, inputs=inputs)
+        pc = build_config(compose(overrides))
+        if inputs:
+            preflight(pc)
+        return pc
     except ConfigError:
         raise
     except Exception as e:

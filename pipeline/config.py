@@ -548,13 +548,12 @@ _DATACLASSES: dict[str, type] = {
 }
 
 
-def build_config(cfg: Any, *, inputs: bool = False) -> PipelineConfig:
+def build_config(cfg: Any) -> PipelineConfig:
     """Validate a composed Hydra config (DictConfig or dict) into a PipelineConfig, fully resolved.
 
     Raises ConfigError naming the key. Cross-field checks (layouts against the model and cluster)
-    run here too, and with ``inputs`` the pre-flight (``pipeline.preflight``: every file, directory and
-    checkpoint the selected stages will read), so nothing is submitted or written before the whole config
-    is known good.
+    run here too; the commands add the pre-flight of inputs (``pipeline.cli.load``), so nothing is
+    submitted or written before the whole config is known good.
     """
     from omegaconf import DictConfig, OmegaConf
 
@@ -568,10 +567,6 @@ def build_config(cfg: Any, *, inputs: bool = False) -> PipelineConfig:
     data = {k: v for k, v in raw.items() if k != "hydra"}
     pc: PipelineConfig = _build(PipelineConfig, data, "")
     _check_cross(pc)
-    if inputs:
-        from pipeline.preflight import preflight
-
-        preflight(pc)
     return pc
 
 
@@ -703,6 +698,11 @@ def run_hash(pc: PipelineConfig) -> str:
     return _digest(stage_hashes(pc))[:8]
 
 
+def run_dir_for(pc: PipelineConfig) -> Path:
+    """Deterministic run directory: experiment name + hash of everything that changes results."""
+    return Path(pc.run.root).resolve() / f"{pc.run.name}-{run_hash(pc)}"
+
+
 # ---------------------------------------------------------------------------- Hydra
 
 
@@ -737,9 +737,7 @@ def compose(
         )
 
 
-def load_config(overrides: list[str] | None = None, *, inputs: bool = False) -> PipelineConfig:
-    """Compose and validate: what ``python -m pipeline`` sees for the same overrides (``inputs``: and the
-    pre-flight of input files). Every mistake is a ConfigError, whatever caught it (pipeline.cli)."""
-    from pipeline.cli import load
-
-    return load(list(overrides or []), inputs=inputs)
+def load_config(overrides: list[str] | None = None) -> PipelineConfig:
+    """Compose and validate (without the input pre-flight and the error normalization of ``pipeline.cli.load``,
+    which the commands use)."""
+    return build_config(compose(overrides))

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pipeline import progress
-from pipeline.config import PipelineConfig, run_hash, stage_hashes
+from pipeline.config import PipelineConfig, run_dir_for, stage_hashes
 from pipeline.graph import dependencies, order, upstream
 from pipeline.launch import free_port, make_executor, mark_submitted, run_stage, sbatch_script, stage_out_dir
 from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, STOPPED, Ledger, StageRecord
 from pipeline.plan import stage_plan
 from pipeline.slurm_submit import SubmitError
 
-__all__ = ["RunError", "SubmitError", "execute"]
+__all__ = ["RunError", "SubmitError", "execute", "run_dir_for"]
 
 
 class RunError(RuntimeError):
@@ -35,11 +35,6 @@ class Decision:
     skip: list[str] = field(default_factory=list)
     active: list[str] = field(default_factory=list)
     submit: list[str] = field(default_factory=list)
-
-
-def run_dir_for(cfg: PipelineConfig) -> Path:
-    """Deterministic run directory: experiment name + hash of everything that changes results."""
-    return Path(cfg.run.root).resolve() / f"{cfg.run.name}-{run_hash(cfg)}"
 
 
 def decide(cfg: PipelineConfig, ledger: Ledger, alive: Any = None) -> Decision:

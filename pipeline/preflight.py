@@ -18,7 +18,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import TRAIN_STAGES, ConfigError, ModelConfig, PipelineConfig, TrainStage
+from pipeline.config import (
+    STAGES,
+    TRAIN_STAGES,
+    ConfigError,
+    ModelConfig,
+    PipelineConfig,
+    TrainStage,
+    run_dir_for,
+    stage_hashes,
+)
+from pipeline.graph import order, upstream
 
 Check = Callable[[PipelineConfig, str], None]
 CHECKS: dict[str, list[Check]] = {}
@@ -63,8 +73,6 @@ def reads(*stages: str) -> Callable[[Check], Check]:
 
 def preflight(cfg: PipelineConfig) -> None:
     """Run every selected stage's input checks; the first problem raises ConfigError."""
-    from pipeline.graph import order
-
     for stage in order(cfg.run.stages):
         for check in CHECKS.get(stage, []):
             check(cfg, stage)
@@ -93,6 +101,29 @@ def check_dir(key: str, value: str, path: Path) -> None:
         _fail(key, value, f"{path} is not a directory")
     if not os.access(path, os.R_OK | os.X_OK):
         _fail(key, value, f"{path} is not readable (check its permissions)")
+
+
+@reads(*STAGES)
+def _upstream_outputs(cfg: PipelineConfig, stage: str) -> None:
+    """An upstream stage left out of run.stages must be completed, with this config, in the run directory."""
+    from pipeline.ledger import COMPLETED, Ledger
+
+    missing = [u for u in upstream(stage) if u not in cfg.run.stages]
+    if not missing:
+        return
+    ledger, hashes = Ledger(run_dir_for(cfg)), stage_hashes(cfg)
+    bad = []
+    for u in missing:
+        rec = ledger.read(u)
+        if not (rec and rec.status == COMPLETED and rec.hash == hashes[u]):
+            bad.append(u)
+    if bad:
+        _fail(
+            "run.stages",
+            list(cfg.run.stages),
+            f"{stage} reads the output of {' and '.join(bad)}, not completed in {ledger.run_dir} with this "
+            f"config; add {'them' if len(bad) > 1 else 'it'} (run.stages=[{','.join(order([*cfg.run.stages, *bad]))}])",
+        )
 
 
 # ---------------------------------------------------------------------------- data prep

@@ -122,9 +122,9 @@ def test_init_from_other_model_shape(tmp_path: Path, capsys: pytest.CaptureFixtu
     code, err = run_cli(tmp_path, capsys, f"sft.init_from={ckpts}")
     assert_config_error(tmp_path, code, err, "hidden_size=32", "model.hidden_size=64")
     good = _checkpoint(tmp_path / "good", hidden_size=64)
-    from pipeline.config import load_config
+    from pipeline.cli import load
 
-    load_config([f"sft.init_from={good}", "experiment=tiny"], inputs=True)  # same shape: accepted
+    load([f"sft.init_from={good}", "experiment=tiny"])  # same shape: accepted
 
 
 def test_tokenizer_larger_than_model_vocab(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -246,7 +246,14 @@ def test_sbatch_rejects_second_stage_leaves_a_readable_run(
     assert "Invalid partition" in (ledger.read("pretrain").error or "")  # type: ignore[union-attr]
     assert status_main([str(run_dir)]) == 1  # status reads it and shows the failure
     assert "submission failed" in capsys.readouterr().out
-    cfg = config.load_config(["experiment=tiny", "cluster=slurm", "run.stages=[data_prep,pretrain]"])
+    cfg = config.load_config(
+        [
+            "experiment=tiny",
+            "cluster=slurm",
+            "run.stages=[data_prep,pretrain]",
+            f"run.root={tmp_path / 'runs'}",
+        ]
+    )
     assert decide(cfg, ledger).submit == ["data_prep", "pretrain"]  # a re-run submits everything again
 
 
@@ -311,3 +318,36 @@ def test_every_numeric_field_has_a_domain() -> None:
             if re.search(r"\b(int|float)\b", str(f.type)) and config.domain_of(f) is None:
                 missing.append(f"{cls.__name__}.{f.name}")
     assert not missing, missing
+
+
+def test_controller_unreachable_exit_3_nothing_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = _fake_bin(tmp_path, "exit 0")
+    (b / "sinfo").write_text(
+        "#!/bin/sh\necho 'slurm_load_partitions: Unable to contact slurm controller (connect failure)' >&2\nexit 1\n"
+    )
+    monkeypatch.setenv("PATH", f"{b}:{os.environ['PATH']}")
+    code, err = run_cli(tmp_path, capsys, "cluster=slurm")
+    assert code == 3 and len(err) == 1, err
+    assert "Unable to contact slurm controller" in err[0] and "scontrol ping" in err[0], err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_real_sbatch_rejects_a_nonexistent_partition(cluster: object, tmp_path: Path) -> None:
+    from slurm_helpers import TINY, fail_text, pipeline
+
+    r = pipeline(cluster, *TINY, "cluster.partition=nope", f"run.root={tmp_path}")
+    assert r.returncode == 3, fail_text(r)
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and "invalid partition" in err[0].lower() and "cluster.partition" in err[0], err
+    assert not any(tmp_path.iterdir()), "SLURM took nothing: nothing is left behind"
+
+
+def test_stage_without_its_upstream_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_cli(tmp_path, capsys, "run.stages=[sft]")
+    assert_config_error(
+        tmp_path, code, err, "run.stages=['sft']", "add them (run.stages=[data_prep,pretrain,sft])"
+    )
