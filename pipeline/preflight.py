@@ -55,7 +55,6 @@ SHAPE_KEYS = (
     "position_embedding",
     "add_bias_linear",
     "tie_embeddings",
-    "vocab_size",
     "make_vocab_size_divisible_by",
 )
 
@@ -270,7 +269,7 @@ def _init_from(cfg: PipelineConfig, stage: str) -> None:
         return
     ckpt = checkpoint_dir(key, value)
     check_marker(key, value, ckpt)
-    check_shape(key, value, ckpt, cfg.model)
+    check_shape(key, value, ckpt, cfg)
 
 
 def checkpoint_dir(key: str, value: str) -> Path:
@@ -314,8 +313,8 @@ def check_marker(key: str, value: str, ckpt: Path) -> dict[str, Any]:
     return dict(meta)
 
 
-def saved_model_config(ckpt: Path) -> dict[str, Any] | None:
-    """The model section of the config of the run that wrote ``ckpt`` (run_dir/provenance/config.yaml), if
+def saved_config(ckpt: Path) -> tuple[Path, dict[str, Any]] | None:
+    """(run directory, recorded config) of the run that wrote ``ckpt`` (run_dir/provenance/config.yaml), if
     the checkpoint sits in a run directory (<run_dir>/stages/<stage>/checkpoints/iter_*)."""
     for parent in list(ckpt.resolve().parents)[:5]:
         cfg_file = parent / "provenance" / "config.yaml"
@@ -323,21 +322,43 @@ def saved_model_config(ckpt: Path) -> dict[str, Any] | None:
             from omegaconf import OmegaConf
 
             data = OmegaConf.to_container(OmegaConf.load(cfg_file))
-            model = data.get("model") if isinstance(data, dict) else None
-            return model if isinstance(model, dict) else None
+            return (parent, data) if isinstance(data, dict) else None
     return None
 
 
-def check_shape(key: str, value: str, ckpt: Path, model: ModelConfig) -> None:
-    """The checkpoint's model (from its run's recorded config) has the shape ``model`` asks for."""
-    saved = saved_model_config(ckpt)
-    if saved is None:
+def _vocab(model: dict[str, Any], data: dict[str, Any]) -> int | None:
+    """The unpadded vocabulary a config trains with, when the config alone says it."""
+    if model.get("vocab_size") is not None:
+        return int(model["vocab_size"])
+    if data.get("tokenizer_path") is None and data.get("vocab_size") is not None:
+        return int(data["vocab_size"])
+    return None
+
+
+def check_shape(key: str, value: str, ckpt: Path, cfg: PipelineConfig) -> None:
+    """The checkpoint's model (from its run's recorded config) has the shape ``cfg.model`` asks for."""
+    found = saved_config(ckpt)
+    if found is None:
         return  # a checkpoint outside a run directory: its shape is checked when the job loads it
+    run_dir, saved_cfg = found
+    saved = saved_cfg.get("model") or {}
+    model: ModelConfig = cfg.model
     for k in SHAPE_KEYS:
         if k in saved and saved[k] != getattr(model, k):
             _fail(
                 key,
                 value,
                 f"the checkpoint's model has {k}={saved[k]!r} but model.{k}={getattr(model, k)!r}: use the "
-                f"same model config as the run that saved it ({ckpt.parents[3] if len(ckpt.parents) > 3 else ckpt})",
+                f"same model config as the run that saved it ({run_dir})",
             )
+    import dataclasses
+
+    old = _vocab(saved, saved_cfg.get("data") or {})
+    new = _vocab(dataclasses.asdict(model), dataclasses.asdict(cfg.data))
+    if old is not None and new is not None and old != new:
+        _fail(
+            key,
+            value,
+            f"the checkpoint's vocabulary has {old} tokens, this run's {new} (model.vocab_size / "
+            f"data.vocab_size): use the same tokenizer and vocabulary as the run that saved it ({run_dir})",
+        )

@@ -36,13 +36,14 @@ def assert_config_error(tmp_path: Path, code: int, err: list[str], *needles: str
     assert not (tmp_path / "runs").exists(), "a config error must write nothing"
 
 
-def _checkpoint(root: Path, hidden_size: int | None = None) -> Path:
-    """A committed checkpoint in a run directory whose recorded model has ``hidden_size``."""
+def _checkpoint(root: Path, hidden_size: int | None = None, vocab: int = 512) -> Path:
+    """A committed checkpoint in a run directory whose recorded model has ``hidden_size`` and ``vocab``."""
     run = root / "old-run"
     (run / "ledger").mkdir(parents=True)
     if hidden_size is not None:
         (run / "provenance").mkdir()
-        (run / "provenance" / "config.yaml").write_text(f"model:\n  hidden_size: {hidden_size}\n")
+        text = f"model:\n  hidden_size: {hidden_size}\ndata:\n  vocab_size: {vocab}\n  tokenizer_path: null\n"
+        (run / "provenance" / "config.yaml").write_text(text)
     ckpt = run / "stages" / "pretrain" / "checkpoints" / "iter_0000002"
     ckpt.mkdir(parents=True)
     (ckpt / "w.distcp").write_bytes(b"x")
@@ -121,6 +122,9 @@ def test_init_from_other_model_shape(tmp_path: Path, capsys: pytest.CaptureFixtu
     ckpts = _checkpoint(tmp_path / "elsewhere", hidden_size=32)  # experiment=tiny has hidden_size 64
     code, err = run_cli(tmp_path, capsys, f"sft.init_from={ckpts}")
     assert_config_error(tmp_path, code, err, "hidden_size=32", "model.hidden_size=64")
+    other_vocab = _checkpoint(tmp_path / "vocab", hidden_size=64, vocab=1024)
+    code, err = run_cli(tmp_path, capsys, f"sft.init_from={other_vocab}")
+    assert_config_error(tmp_path, code, err, "vocabulary has 1024 tokens, this run's 512")
     good = _checkpoint(tmp_path / "good", hidden_size=64)
     from pipeline.cli import load
 
