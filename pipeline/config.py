@@ -320,6 +320,21 @@ class DataConfig:
             _fail("text_paths", self.text_paths, "corpus=files needs at least one file or glob")
         if not self.jsonl_text_key:
             _fail("jsonl_text_key", self.jsonl_text_key, "must be a non-empty field name")
+        held_out = task_prompts(self.task, self.max_operand) // 4  # stages.tasks holds out at most a quarter
+        if self.num_eval_examples > held_out:
+            _fail(
+                "num_eval_examples",
+                self.num_eval_examples,
+                f"must be <= {held_out}: task={self.task} with max_operand={self.max_operand} has "
+                f"{task_prompts(self.task, self.max_operand)} distinct prompts and a quarter at most is held out; "
+                "raise max_operand or lower num_eval_examples",
+            )
+
+
+def task_prompts(task: str, max_operand: int) -> int:
+    """Distinct prompts of a task (stages.tasks.space_size; a test keeps them equal)."""
+    n = max_operand + 1
+    return n if task == "counting" else n * n + n * (n + 1) // 2
 
 
 @dataclass

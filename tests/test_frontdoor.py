@@ -355,3 +355,11 @@ def test_stage_without_its_upstream_output(tmp_path: Path, capsys: pytest.Captur
     assert_config_error(
         tmp_path, code, err, "run.stages=['sft']", "add them (run.stages=[data_prep,pretrain,sft])"
     )
+
+
+def test_task_prompt_count_matches_the_task_code() -> None:
+    from stages import tasks
+
+    for task in ("counting", "arithmetic"):
+        for n in (1, 9, 99, 999):
+            assert config.task_prompts(task, n) == tasks.space_size(n, task)
