@@ -322,7 +322,7 @@ def saved_config(ckpt: Path) -> tuple[Path, dict[str, Any]] | None:
             from omegaconf import OmegaConf
 
             data = OmegaConf.to_container(OmegaConf.load(cfg_file))
-            return (parent, data) if isinstance(data, dict) else None
+            return (parent, {str(k): v for k, v in data.items()}) if isinstance(data, dict) else None
     return None
 
 
