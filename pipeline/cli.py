@@ -303,10 +303,10 @@ def _kind(full_key: str) -> str:
     if f is None:
         return "a value of the right type"
     hint = typing.get_type_hints(cls)[f.name]
-    args = typing.get_args(hint)
-    optional = type(None) in args
-    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    base, optional = hint, False
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = typing.get_args(hint)
+        optional = type(None) in args
         base = next(a for a in args if a is not type(None))
     dom = domain_of(f)
     if dom is not None:
