@@ -60,6 +60,8 @@ def render() -> str:
         "Generated from the schema in `pipeline/config.py` by `python -m pipeline.docs`; do not edit by hand.",
         "Override any key on the command line (`python -m pipeline pretrain.lr=3e-4`); YAML under `conf/` picks",
         "values per group (`model=llama3.2-1b`, `cluster=slurm`, `parallel@pretrain.parallel=dp2`, `experiment=tiny`).",
+        "`allowed` is a numeric key's domain (null stays allowed where the type says `| None`); every key is checked",
+        "before any job starts, and a mistake prints `config error: <key>=<value>: <what is allowed>` (exit code 2).",
         "",
     ]
     for prefix, cls in SECTIONS:
