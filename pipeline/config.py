@@ -620,6 +620,17 @@ def _check_cross(pc: PipelineConfig) -> None:
 
 # Keys of a shared stage schema that only some stages read: set elsewhere they would be silently ignored.
 _RLHF_ONLY = ("beta", "algorithm")
+_SLURM_ONLY = (
+    "partition",
+    "account",
+    "qos",
+    "constraint",
+    "exclusive",
+    "setup",
+    "container_image",
+    "env",
+    "signal_delay_s",
+)
 _PARALLEL_USED = {
     "data_prep": ("tp", "pp", "dp", "nodes"),
     "eval": ("tp", "pp", "dp", "nodes", "precision"),
@@ -634,6 +645,22 @@ def _check_ignored(pc: PipelineConfig) -> None:
             value = getattr(getattr(pc, name), k)
             if value != getattr(train_default, k):
                 _fail(f"{name}.{k}", value, f"only rlhf reads it (set rlhf.{k}); leave it at its default")
+    cluster_default, c = ClusterConfig(), pc.cluster
+    if c.executor != "slurm":
+        for k in _SLURM_ONLY:
+            if getattr(c, k) != getattr(cluster_default, k):
+                _fail(
+                    f"cluster.{k}",
+                    getattr(c, k),
+                    f"only cluster.executor=slurm reads it (executor is {c.executor}); use a SLURM profile "
+                    "(cluster=slurm) or leave it at its default",
+                )
+    if c.gpus_per_node > 0 and c.ranks_per_node != cluster_default.ranks_per_node:
+        _fail(
+            "cluster.ranks_per_node",
+            c.ranks_per_node,
+            f"with GPUs a node runs one rank per GPU (cluster.gpus_per_node={c.gpus_per_node}); leave it at its default",
+        )
     par_default = ParallelConfig()
     for name, used in _PARALLEL_USED.items():
         par = pc.stage(name).parallel

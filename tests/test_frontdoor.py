@@ -363,3 +363,10 @@ def test_task_prompt_count_matches_the_task_code() -> None:
     for task in ("counting", "arithmetic"):
         for n in (1, 9, 99, 999):
             assert config.task_prompts(task, n) == tasks.space_size(n, task)
+
+
+def test_slurm_only_key_with_the_local_executor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_cli(tmp_path, capsys, "cluster.partition=gpu")
+    assert_config_error(
+        tmp_path, code, err, "cluster.partition='gpu'", "only cluster.executor=slurm reads it"
+    )
