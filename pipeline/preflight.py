@@ -125,6 +125,34 @@ def _upstream_outputs(cfg: PipelineConfig, stage: str) -> None:
         )
 
 
+@reads(*TRAIN_STAGES, "eval")
+def _prepared_data(cfg: PipelineConfig, stage: str) -> None:
+    """data_prep done in an earlier command: its manifest (written last) is there, and pretrain's text holds
+    at least one global batch."""
+    if "data_prep" in cfg.run.stages:
+        return
+    d = run_dir_for(cfg) / "stages" / "data_prep"
+    manifest = d / "manifest.json"
+    try:
+        meta = json.loads(manifest.read_text())
+    except (OSError, ValueError) as e:
+        _fail(
+            "run.stages", list(cfg.run.stages), f"{manifest} is unreadable ({e}): add data_prep to run.stages"
+        )
+    if stage != "pretrain":
+        return
+    have = int((meta.get("counts") or {}).get("tokens_train", 0)) if isinstance(meta, dict) else 0
+    par = cfg.pretrain.parallel
+    need = par.global_batch_size * ((cfg.pretrain.seq_length or cfg.model.seq_length) + 1)
+    if have < need:
+        _fail(
+            "pretrain.parallel.global_batch_size",
+            par.global_batch_size,
+            f"data prep wrote {have} training tokens ({manifest}); one global batch needs {need} "
+            "(global_batch_size x (seq_length + 1)): lower the batch or prepare more text",
+        )
+
+
 # ---------------------------------------------------------------------------- data prep
 
 

@@ -370,3 +370,21 @@ def test_slurm_only_key_with_the_local_executor(tmp_path: Path, capsys: pytest.C
     assert_config_error(
         tmp_path, code, err, "cluster.partition='gpu'", "only cluster.executor=slurm reads it"
     )
+
+
+def test_prepared_data_too_small_for_one_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """data_prep completed earlier (ledger + manifest) with fewer tokens than one pretrain batch."""
+    from pipeline.cli import load
+    from pipeline.ledger import COMPLETED, Ledger
+
+    cfg = load(["experiment=tiny", f"run.root={tmp_path / 'runs'}", "run.stages=[data_prep]"])
+    run_dir = config.run_dir_for(cfg)
+    Ledger(run_dir).update("data_prep", status=COMPLETED, hash=config.stage_hashes(cfg)["data_prep"])
+    out = run_dir / "stages" / "data_prep"
+    out.mkdir(parents=True)
+    (out / "manifest.json").write_text(json.dumps({"counts": {"tokens_train": 100}}))
+    code = main(["experiment=tiny", f"run.root={tmp_path / 'runs'}", "run.stages=[pretrain]"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and len(err) == 1 and LINE.match(err[0]), err
+    assert "100 training tokens" in err[0] and "needs 520" in err[0], err
+    assert sorted(p.name for p in run_dir.iterdir()) == ["ledger", "stages"], "nothing more written"
