@@ -3,7 +3,7 @@
 - :func:`input_files` lists every file data_prep will read (corpus files, sources, megatron prefixes,
   a given tokenizer). :func:`fingerprints` hashes each one (sha256, streamed), with size and mtime as a
   fast pre-check: the digest of an unchanged file comes from ``<run.root>/.data/fingerprints.json``
-  (written only where ``run.root`` exists) or from this process's memo, so it is not read again.
+  (written once a data_prep job has made ``.data/``; submitting writes nothing) or from this process's memo.
 - ``pipeline.config.stage_hashes`` puts :func:`inputs_digest` into data_prep's hash: editing a file in
   place changes data_prep's hash, so the same command reruns data_prep and everything downstream (in the
   same run directory: the run directory's name covers the config only).
@@ -111,9 +111,8 @@ def fingerprints(pc: Any) -> dict[str, dict[str, Any]]:
         if hit != [st.st_size, st.st_mtime_ns, digest]:
             cache[str(f)], changed = [st.st_size, st.st_mtime_ns, digest], True
         out[str(f)] = {"bytes": st.st_size, "sha256": digest}
-    if changed and root.is_dir():
+    if changed and cache_path.parent.is_dir():  # .data/ is made by the first data_prep job, never by planning
         with contextlib.suppress(OSError):
-            cache_path.parent.mkdir(exist_ok=True)
             tmp = cache_path.with_name(f".{FINGERPRINTS}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(cache, sort_keys=True))
             os.replace(tmp, cache_path)

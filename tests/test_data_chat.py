@@ -70,7 +70,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_sft_examples=10,
         num_pref_pairs=10,
         num_eval_examples=10,
-        max_operand=30,
+        max_operand=99,
         sft_paths=[str(sft), str(root / "sft.parquet")],
         pref_paths=[str(prefs)],
     )

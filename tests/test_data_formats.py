@@ -78,7 +78,7 @@ def sources_cfg(root: Path, **data: object) -> PipelineConfig:
         num_sft_examples=10,
         num_pref_pairs=10,
         num_eval_examples=10,
-        max_operand=30,
+        max_operand=99,
     )
     fields.update(data)
     cfg.data = DataConfig(**fields)  # type: ignore[arg-type]
@@ -302,7 +302,8 @@ def test_two_ranks_under_the_local_executor_byte_identical_to_one(tmp_path: Path
         "data.num_sft_examples=10",
         "data.num_pref_pairs=10",
         "data.num_eval_examples=10",
-        "data.max_operand=30",
+        "eval.num_task_examples=10",
+        "data.max_operand=99",
         "data_prep.threads=1",
     ]
     shared = []

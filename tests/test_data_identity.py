@@ -35,7 +35,8 @@ def overrides(root: Path, corpus: Path) -> list[str]:
         "data.num_sft_examples=20",
         "data.num_pref_pairs=20",
         "data.num_eval_examples=10",
-        "data.max_operand=30",
+        "data.max_operand=99",
+        "eval.num_task_examples=10",
     ]
 
 
@@ -47,7 +48,11 @@ def test_fingerprint_precheck_and_in_place_edit(tmp_path: Path, monkeypatch: pyt
     real = data_identity.sha256_file
     monkeypatch.setattr(data_identity, "sha256_file", lambda p: (hashed.append(str(p)), real(p))[1])
     first = stage_hashes(cfg)
-    assert hashed == [str(corpus.resolve())]
+    assert hashed == [str(corpus.resolve())] and not (tmp_path / ".data").exists()  # planning writes nothing
+    (tmp_path / ".data").mkdir()  # as the first data_prep job does
+    data_identity._MEMO.clear()
+    assert stage_hashes(cfg) == first and len(hashed) == 2
+    hashed.pop()
     data_identity._MEMO.clear()  # a new process: the cache file under run.root answers, nothing is re-read
     assert stage_hashes(cfg) == first and len(hashed) == 1
     fp = json.loads((tmp_path / ".data" / "fingerprints.json").read_text())
