@@ -3,7 +3,8 @@
 - :func:`input_files` lists every file data_prep will read (corpus files, sources, megatron prefixes,
   a given tokenizer). :func:`fingerprints` hashes each one (sha256, streamed), with size and mtime as a
   fast pre-check: the digest of an unchanged file comes from ``<run.root>/.data/fingerprints.json``
-  (written once a data_prep job has made ``.data/``; submitting writes nothing) or from this process's memo.
+  (written once a data_prep job is submitted; planning and rejected submissions write nothing) or from this
+  process's memo, so the job's ranks do not read the files again.
 - ``pipeline.config.stage_hashes`` puts :func:`inputs_digest` into data_prep's hash: editing a file in
   place changes data_prep's hash, so the same command reruns data_prep and everything downstream (in the
   same run directory: the run directory's name covers the config only).
@@ -83,8 +84,12 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def fingerprints(pc: Any) -> dict[str, dict[str, Any]]:
-    """``{path: {"bytes", "sha256"}}`` of every input file (``"missing"`` for a file that is not there)."""
+def fingerprints(pc: Any, save: bool = False) -> dict[str, dict[str, Any]]:
+    """``{path: {"bytes", "sha256"}}`` of every input file (``"missing"`` for a file that is not there).
+
+    ``save``: create ``<run.root>/.data/`` for the cache (when a data_prep job is submitted), so the job's
+    ranks and later commands find the digests instead of reading the files again.
+    """
     root = Path(pc.run.root)
     cache_path = root / SHARED / FINGERPRINTS
     cache: dict[str, Any] = {}
@@ -111,7 +116,10 @@ def fingerprints(pc: Any) -> dict[str, dict[str, Any]]:
         if hit != [st.st_size, st.st_mtime_ns, digest]:
             cache[str(f)], changed = [st.st_size, st.st_mtime_ns, digest], True
         out[str(f)] = {"bytes": st.st_size, "sha256": digest}
-    if changed and cache_path.parent.is_dir():  # .data/ is made by the first data_prep job, never by planning
+    if save:
+        with contextlib.suppress(OSError):
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+    if (changed or save) and cache_path.parent.is_dir():  # .data/ is made at submission, never by planning
         with contextlib.suppress(OSError):
             tmp = cache_path.with_name(f".{FINGERPRINTS}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(cache, sort_keys=True))

@@ -147,6 +147,10 @@ def mark_submitted(
 ) -> StageRecord:
     """Record a (re)submission: fresh status, hashes and plan; attempts carry over only for the same config."""
     hashes = stage_hashes(cfg)
+    if stage == "data_prep":  # keep the input digests for the job's ranks (size + mtime pre-check)
+        from pipeline.data_identity import fingerprints
+
+        fingerprints(cfg, save=True)
     prev = ledger.read(stage)
     return ledger.update(
         stage,
