@@ -92,3 +92,14 @@ def read_index(idx_path: str | Path) -> tuple[np.dtype, np.ndarray, np.ndarray]:
     offset += 4 * sequences + 8 * sequences
     doc_index = np.frombuffer(raw, dtype=np.int64, count=documents, offset=offset)
     return np.dtype(names[code]), lengths, doc_index
+
+
+def documents(prefix: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens, offsets)`` of dataset ``prefix`` written one sequence per document (as ``IndexedWriter``
+    does): document ``j`` is ``tokens[offsets[j]:offsets[j + 1]]`` (``tokens`` memory-mapped)."""
+    dtype, lengths, _ = read_index(f"{prefix}.idx")
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if not offsets[-1]:
+        return np.zeros(0, dtype=dtype), offsets
+    return np.memmap(f"{prefix}.bin", dtype=dtype, mode="r"), offsets
