@@ -1,7 +1,8 @@
 """``python -m pipeline [overrides]``: compose, validate, plan, submit, report. Always exits with a code.
 
 Hydra composes conf/ (schema in pipeline/config.py); ``-m`` sweeps run one pipeline per trial, each with
-its own deterministic run directory. Exit codes: 0 ok, 1 a stage failed, 2 configuration error.
+its own deterministic run directory. Exit codes: 0 ok, 1 a stage failed, 2 configuration error,
+3 a selected stage runs in another local job (not followed: re-run when it has ended).
 """
 
 from __future__ import annotations

@@ -201,6 +201,11 @@ def run_stage(
         MASTER_PORT=str(port),
     )
     ledger = Ledger(Path(run_dir))
+    local_group = cfg.cluster.executor == "local" and world > 1
+    if local_group:
+        from stages.engine.signals import HANG_HOOKS
+
+        HANG_HOOKS.append(end_local_job)
     if rank == 0:
         _mark_started(ledger, stage, job_id, world)
     try:
@@ -208,6 +213,8 @@ def run_stage(
     except BaseException as e:
         if rank == 0:
             _record_failure(ledger, stage, cfg, e)
+        if local_group and not _is_preempted(e):
+            end_local_job()
         raise
     if rank == 0:
         from pipeline.status import accounting
@@ -219,6 +226,37 @@ def run_stage(
         ledger.update(stage, status=COMPLETED, ended_at=time.time(), outputs=out, extra=extra)
         ledger.event("completed", stage)
     return out
+
+
+def _is_preempted(e: BaseException) -> bool:
+    from stages.engine.signals import Preempted
+
+    return isinstance(e, Preempted)
+
+
+def end_local_job() -> None:
+    """Kill the other ranks of this local job (a hung or failed rank ends the whole job, as SLURM does).
+
+    submitit's local controller waits for every task: a frozen rank (SIGSTOP, a deadlock) would keep the
+    job, and the command following it, waiting forever. The siblings are the controller's other children
+    carrying this job's id (``SUBMITIT_LOCAL_JOB_ID``); SIGKILL also ends a stopped process.
+    """
+    import psutil
+
+    job = os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+    if not job:
+        return
+    try:
+        siblings = psutil.Process(os.getppid()).children()
+    except psutil.Error:
+        return
+    for proc in siblings:
+        try:
+            if proc.pid != os.getpid() and proc.environ().get("SUBMITIT_LOCAL_JOB_ID") == job:
+                print(f"[launcher] ending rank process {proc.pid} of local job {job}", flush=True)
+                proc.kill()
+        except psutil.Error:
+            continue
 
 
 def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> None:
