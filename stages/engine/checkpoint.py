@@ -599,6 +599,7 @@ def _require_committed(path: Path) -> None:
     problems = verify(path, checksums=False)
     if problems:
         raise CheckpointError(f"refusing to load {path}: " + "; ".join(problems))
+    check_loads_without_code(path)
 
 
 def _load_model(model_chunks: list, loaded: dict, path: Path) -> None:
@@ -686,11 +687,24 @@ def _tracker() -> Any:
 
 
 def _rng_state() -> dict[str, Any]:
+    """This rank's RNG states as tensors and plain values only: the file loads with ``weights_only=True``."""
     tracker = _tracker()
+    py_version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
     return {
         "layout": _layout(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {
+            "version": py_version,
+            "state": torch.tensor(py_state, dtype=torch.int64),
+            "gauss": py_gauss,
+        },
+        "numpy": {
+            "name": str(np_name),
+            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_cached),
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "tracker": {k: v.clone() for k, v in tracker.get_states().items()} if tracker else None,
@@ -702,20 +716,134 @@ def _restore_rng(path: Path) -> None:
     if not file.is_file():
         log.warning("%s: missing; RNG states not restored", file)
         return
-    saved = torch.load(file, weights_only=False)
+    saved = _load_plain(file)
     if saved["layout"] != _layout():
         log.warning(
             "%s: saved under layout %s, now %s; RNG states not restored", file, saved["layout"], _layout()
         )
         return
-    random.setstate(saved["python"])
-    np.random.set_state(saved["numpy"])
+    py, npy = saved["python"], saved["numpy"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    np.random.set_state(
+        (
+            npy["name"],
+            npy["keys"].numpy().astype(np.uint32),
+            npy["pos"],
+            npy["has_gauss"],
+            npy["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(saved["torch"])
     if saved["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(saved["cuda"])
     tracker = _tracker()
     if saved["tracker"] and tracker is not None:
         tracker.set_states(saved["tracker"])
+
+
+# ---------------------------------------------------------------------------- loading without running code
+
+
+def _load_plain(file: Path) -> Any:
+    """``torch.load`` with ``weights_only=True``: tensors and plain values, never arbitrary objects."""
+    import pickle
+
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
+        raise CheckpointError(
+            f"{file}: refusing to load: it holds more than tensors and plain values (a checkpoint from "
+            f"an older version, or a crafted one that would run code): {str(e).splitlines()[0]}"
+        ) from None
+
+
+_METADATA_GLOBALS = {
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+}
+"""Globals a DCP ``.metadata`` pickle may name, besides the classes of torch.distributed.checkpoint's
+metadata modules and torch dtypes/layouts/memory formats (see ``_MetadataUnpickler``)."""
+
+_METADATA_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+)
+
+
+class _MetadataUnpickler:
+    """Reads a DCP ``.metadata`` pickle, refusing any global outside the allowlist (nothing else can run)."""
+
+    @staticmethod
+    def load(file: Path) -> Any:
+        import dataclasses
+        import enum
+        import importlib
+        import pickle
+
+        class Restricted(pickle.Unpickler):
+            def find_class(self, module: str, name: str) -> Any:
+                allowed = (module, name) in _METADATA_GLOBALS
+                if not allowed and module in _METADATA_MODULES and "." not in name:
+                    obj = getattr(importlib.import_module(module), name, None)
+                    allowed = isinstance(obj, type) and (
+                        dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+                    )
+                if not allowed and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                    allowed = True
+                if not allowed:
+                    raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+                return super().find_class(module, name)
+
+        with open(file, "rb") as f:
+            return Restricted(f).load()
+
+
+def check_loads_without_code(path: Path) -> None:
+    """Raise CheckpointError unless every pickled part of checkpoint ``path`` loads without running code.
+
+    torch's distributed checkpoint unpickles ``.metadata`` (and any non-tensor "bytes" items) with the
+    full unpickler; megatron's ``common.pt`` and our ``rng.rank*.pt`` are torch pickles. Each is read here
+    first under a restricted unpickler (``.metadata``: torch's checkpoint metadata classes only; ``*.pt``
+    and bytes items: ``weights_only=True``), so the loads that follow meet only allowed objects.
+    """
+    import io
+    import pickle
+
+    path = Path(path)
+    meta_file = path / ".metadata"
+    if meta_file.is_file():
+        try:
+            meta = _MetadataUnpickler.load(meta_file)
+        except Exception as e:
+            raise CheckpointError(
+                f"{meta_file}: refusing to load: not a plain torch checkpoint metadata file ({e})"
+            ) from None
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        storage = getattr(meta, "storage_data", None) or {}
+        for fqn, item in getattr(meta, "state_dict_metadata", {}).items():
+            if not isinstance(item, BytesStorageMetadata):
+                continue
+            for index, info in storage.items():
+                if index.fqn != fqn:
+                    continue
+                with open(path / info.relative_path, "rb") as f:
+                    f.seek(info.offset)
+                    blob = f.read(info.length)
+                try:
+                    torch.load(io.BytesIO(blob), weights_only=True)
+                except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
+                    raise CheckpointError(
+                        f"{path / info.relative_path}: refusing to load item {fqn!r}: it holds more than "
+                        f"tensors and plain values ({str(e).splitlines()[0]})"
+                    ) from None
+    for file in sorted(path.glob("*.pt")):
+        _load_plain(file)
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -731,5 +859,5 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "state.pt"
         dcp_to_torch_save(str(path), str(out))
-        state = torch.load(out, map_location="cpu", weights_only=False)
+        state = torch.load(out, map_location="cpu", weights_only=True)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
