@@ -63,3 +63,89 @@ def test_checkpoint_writer_helpers_die_with_a_killed_training_process() -> None:
     for pid in left:  # leave nothing behind, even when the drill fails
         os.kill(pid, signal.SIGKILL)
     assert not left, f"helpers outlived the SIGKILLed training process: {left}"
+
+
+# ---------------------------------------------------------------------------- checkpoints do not run code
+
+MODEL = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16}
+SPEC = {"model": MODEL, "parallel": {"global_batch_size": 4, "micro_batch_size": 4}, "save_interval": 2}
+
+
+class Payload:
+    """Unpickling this creates ``target``: the stand-in for code a crafted checkpoint would run."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = str(target)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (open, (self.target, "w"))
+
+
+def remark(path: Path) -> None:
+    """Rewrite the completion marker so the tampered checkpoint verifies (the marker is no signature)."""
+    import json
+
+    from stages.engine.checkpoint import MARKER, _file_record
+
+    meta = json.loads((path / MARKER).read_text())
+    meta["files"] = {
+        p.relative_to(path).as_posix(): _file_record(p)
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+        if p.name != MARKER
+    }
+    (path / MARKER).write_text(json.dumps(meta))
+
+
+def plant(ckpt: Path, where: str, target: Path) -> None:
+    import pickle
+
+    import torch
+
+    if where == ".metadata":
+        with open(ckpt / ".metadata", "rb") as f:
+            meta = pickle.load(f)
+        meta.storage_meta = Payload(target)
+        with open(ckpt / ".metadata", "wb") as f:
+            pickle.dump(meta, f)
+    else:  # a torch pickle: our RNG file or megatron's common state
+        state = torch.load(ckpt / where, weights_only=False)
+        state["payload"] = Payload(target)
+        torch.save(state, ckpt / where)
+    remark(ckpt)
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine_worker import launch
+
+    tmp = tmp_path_factory.mktemp("saved")
+    launch(1, {**SPEC, "stage": {"iters": 2}, "ckpt": str(tmp / "checkpoints")}, tmp / "run")
+    path = tmp / "checkpoints" / "iter_0000002"
+    assert (
+        (path / ".metadata").is_file()
+        and (path / "common.pt").is_file()
+        and (path / "rng.rank0.pt").is_file()
+    )
+    return path
+
+
+@pytest.mark.parametrize("where", ["rng.rank0.pt", "common.pt", ".metadata"])
+def test_a_checkpoint_with_a_pickle_payload_does_not_run_it(
+    saved_checkpoint: Path, where: str, tmp_path: Path
+) -> None:
+    import shutil
+
+    from engine_worker import launch
+
+    from stages.engine.checkpoint import CheckpointError, load_tensors
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(saved_checkpoint, root / saved_checkpoint.name)
+    target = tmp_path / "PWNED"
+    plant(root / saved_checkpoint.name, where, target)
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        load_tensors(root / saved_checkpoint.name)  # inspection / export path, no process group
+    with pytest.raises(RuntimeError, match="refusing to load"):  # a resume: the full load on a rank
+        launch(1, {**SPEC, "stage": {"iters": 4}, "ckpt": str(root)}, tmp_path / "run")
+    assert not target.exists(), f"the payload in {where} ran"
