@@ -327,6 +327,8 @@ class TrainStage:
     """Steps between checkpoints (the final step is always saved)."""
     keep_last: int = 2
     """Checkpoints kept besides the final one."""
+    keep_incomplete: int = 1
+    """Temp dirs of crashed saves kept for inspection (the newest); older ones are deleted, and logged, at resume and after each save. A save that fails with an error removes its own at once."""
     hang_timeout_s: int = 900
     """Watchdog: a rank without progress this long dumps its stacks and exits (code 86); 0 = off."""
     nan_policy: str = "skip"
@@ -351,6 +353,7 @@ class TrainStage:
         _positive("eval_interval", self.eval_interval, allow_zero=True)
         _positive("save_interval", self.save_interval)
         _positive("keep_last", self.keep_last)
+        _positive("keep_incomplete", self.keep_incomplete, allow_zero=True)
         _positive("hang_timeout_s", self.hang_timeout_s, allow_zero=True)
         _positive("warmup_iters", self.warmup_iters, allow_zero=True)
         _choice("nan_policy", self.nan_policy, ("skip", "rollback", "stop"))
@@ -559,6 +562,7 @@ _RESOURCE_KEYS = {
     "log_interval",
     "save_interval",
     "keep_last",
+    "keep_incomplete",
     "nan_policy",
     "grad_spike_factor",
     "max_bad_steps",

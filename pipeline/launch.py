@@ -263,11 +263,13 @@ def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> None:
     """Rank 0: the ledger says running; the event records the rendezvous and the code this job imports."""
     rec = ledger.read(stage)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    attempt = (rec.attempts if rec else 0) + 1
+    os.environ["PIPELINE_STAGE_ATTEMPT"] = str(attempt)  # the engine's resume record (trainer.ATTEMPT_ENV)
     ledger.update(
         stage,
         status=RUNNING,
         started_at=time.time(),
-        attempts=(rec.attempts if rec else 0) + 1,
+        attempts=attempt,
         requeues=restarts,
         host=socket.gethostname(),
         error=None,

@@ -149,3 +149,47 @@ def test_a_checkpoint_with_a_pickle_payload_does_not_run_it(
     with pytest.raises(RuntimeError, match="refusing to load"):  # a resume: the full load on a rank
         launch(1, {**SPEC, "stage": {"iters": 4}, "ckpt": str(root)}, tmp_path / "run")
     assert not target.exists(), f"the payload in {where} ran"
+
+
+# ---------------------------------------------------------------------------- a full disk
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A real filesystem that fills up: a 1 MiB tmpfs (needs root to mount; unmounted afterwards)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (the full-disk drill runs as root in CI)")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_gives_logged_failures_retries_and_a_clean_stop(
+    small_tmpfs: Path, tmp_path: Path
+) -> None:
+    from engine_worker import launch
+
+    from stages.engine.checkpoint import find_latest, verify
+
+    root = small_tmpfs / "checkpoints"
+    spec = {**SPEC, "stage": {"iters": 8}, "save_interval": 1, "ckpt": str(root)}
+    with pytest.raises(RuntimeError) as info:
+        launch(1, spec, tmp_path / "run")
+    log = str(info.value)
+    assert "giving up after 3 failed save(s) in a row" in log, log[-3000:]
+    failed = [ln for ln in log.splitlines() if "failed (" in ln and "in a row)" in ln]
+    assert len(failed) == 3, log[-3000:]  # each failure logged; training went on between them
+    assert "No space left on device" in log or "CheckpointException" in log, log[-3000:]
+    assert not list(root.glob("tmp.iter_*")), "a failed save's temp dir is left on the full disk"
+    latest = find_latest(root, collective=False)
+    assert latest is not None and not verify(latest), "the last good checkpoint stays the one to resume"
+    committed = sorted(p.name for p in root.glob("iter_*"))
+    assert latest.name == committed[-1], committed

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 
 from stages.engine.faults import FaultInjector
 
@@ -54,6 +55,10 @@ _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$|^rng\.rank(\d+)\.pt$")
 _DISTOPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _HASH_BLOCK = 4 << 20
+
+
+WRITE_FAILURES: tuple[type[BaseException], ...] = (Exception, _CheckpointException)
+"""What a failed write raises: torch's CheckpointException (a full disk in the writers) is a BaseException."""
 
 
 class CheckpointError(RuntimeError):
@@ -280,6 +285,7 @@ def save(
     keep_last: int = 2,
     async_save: bool = False,
     final: bool = False,
+    keep_incomplete: int = 1,
 ) -> Path:
     """Save a checkpoint of ``iteration`` under ``ckpt_root``; collective over all ranks.
 
@@ -311,14 +317,26 @@ def save(
     start = time.monotonic()
     is_async = async_save and not final
     _signal_safe_writer_queue()
-    request = dist_checkpointing.save(sharded, str(tmp), async_sharded_save=is_async)
-    torch.save(rng, tmp / f"rng.rank{_rank()}.pt")
+    try:
+        request = dist_checkpointing.save(sharded, str(tmp), async_sharded_save=is_async)
+        torch.save(rng, tmp / f"rng.rank{_rank()}.pt")
+        error = None
+    except WRITE_FAILURES as e:  # a full disk: OSError, or torch's CheckpointException
+        request, error = None, f"rank {_rank()}: writing {tmp} failed: {type(e).__name__}: {_first_line(e)}"
+    errors = [x for x in _all_gather(error) if x]
+    if errors:
+        _discard(tmp)
+        raise CheckpointError("; ".join(errors))
     info = {"iteration": iteration, "final": final, "world_size": _world(), "layout": _layout()}
     faults = FaultInjector(ckpt_root.parent, _rank())
 
     def commit() -> None:
         faults.check("ckpt_write", iteration)
-        _commit(tmp, target, info, keep_last, faults)
+        try:
+            _commit(tmp, target, info, keep_last, faults, keep_incomplete)
+        except CheckpointError:
+            _discard(tmp)
+            raise
         log.info("saved %s in %.2f s%s", target, time.monotonic() - start, " (async)" if is_async else "")
 
     if not is_async:
@@ -327,6 +345,47 @@ def save(
     request.add_finalize_fn(commit)
     _async_queue().schedule_async_request(request)
     return target
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, on every rank."""
+    if _world() == 1:
+        return [obj]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _discard(tmp: Path) -> None:
+    """Rank 0 removes the temp dir of a save that failed, so it does not keep a full disk full."""
+    if _rank() == 0 and tmp.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.warning("removed %s: the save failed", tmp)
+
+
+def prune_incomplete(ckpt_root: Path, keep: int) -> list[Path]:
+    """Delete the temp dirs of crashed saves except the newest ``keep`` (by iteration, then age); rank 0.
+
+    Call only while no save of this stage is in flight (at resume, after a commit). Returns what it removed.
+    """
+    if _rank() != 0:
+        return []
+    found = []
+    for p in Path(ckpt_root).glob("tmp.iter_*"):
+        m = re.match(r"^tmp\.iter_(\d{7})\.", p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p.stat().st_mtime, p))
+    removed = []
+    for _, _, p in sorted(found, reverse=True)[keep:]:
+        shutil.rmtree(p, ignore_errors=True)
+        log.warning("removed %s, the temp dir of a crashed save (keep_incomplete=%d)", p, keep)
+        removed.append(p)
+    return removed
 
 
 def _ignore_stop_signals() -> None:
@@ -464,7 +523,12 @@ def _common_state(iteration: int, scheduler: Any, state: dict) -> dict[str, Any]
 
 
 def _commit(
-    tmp: Path, target: Path, info: dict[str, Any], keep_last: int, faults: FaultInjector | None = None
+    tmp: Path,
+    target: Path,
+    info: dict[str, Any],
+    keep_last: int,
+    faults: FaultInjector | None = None,
+    keep_incomplete: int = 1,
 ) -> None:
     """Checksums from every rank -> marker -> rename -> ``latest`` -> retention (rank 0); collective."""
     try:
@@ -475,6 +539,7 @@ def _commit(
     _on_rank0(
         lambda: _commit_on_rank0(tmp, target, info, gathered, keep_last, faults), f"committing {target}"
     )
+    prune_incomplete(target.parent, keep_incomplete)
 
 
 def _commit_on_rank0(
