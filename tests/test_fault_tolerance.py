@@ -242,10 +242,11 @@ def test_a_stopped_rank_on_the_local_executor_ends_the_job(data_root: Path, tmp_
 
     root = seeded(data_root, tmp_path)
     hang_s = 20
-    cmd = _start(root, *DP2, "pretrain.iters=100000", f"pretrain.hang_timeout_s={hang_s}")
+    # rank 0 stops making progress at step 3 (its watchdog fires after hang_s), and rank 1 is frozen there
+    cmd = _start(root, *DP2, f"pretrain.hang_timeout_s={hang_s}", fault="hang@step:3/rank=0")
     ranks: list[psutil.Process] = []
     try:
-        _wait_for("training", lambda: _progress(root) >= 1)
+        _wait_for("training", lambda: _progress(root) >= 2)
         led = Ledger(run_dir(root)).read("pretrain")
         assert led is not None
         controller = psutil.Process(int(led.job_ids[0]))
