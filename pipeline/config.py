@@ -15,12 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STAGES: tuple[str, ...] = ("data_prep", "pretrain", "sft", "rlhf", "eval")
-TRAIN_STAGES: tuple[str, ...] = ("pretrain", "sft", "rlhf")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message starts with the dotted key."""
+from pipeline import graph
+from pipeline.errors import ConfigError
+from pipeline.graph import STAGES, TRAIN_STAGES
 
 
 def _fail(key: str, value: Any, allowed: str) -> None:
@@ -537,7 +534,7 @@ def build_config(cfg: Any) -> PipelineConfig:
 
 
 def _check_cross(pc: PipelineConfig) -> None:
-    from pipeline.plan import check_layout  # local: plan imports this module
+    from pipeline.plan import check_layout
 
     for name in pc.run.stages:
         check_layout(pc, name)
@@ -585,11 +582,9 @@ def stage_own_config(pc: PipelineConfig, name: str) -> dict[str, Any]:
 
 def stage_hashes(pc: PipelineConfig) -> dict[str, str]:
     """Each stage's hash: its own result-deciding config plus its upstream stages' hashes."""
-    from pipeline.graph import upstream
-
     out: dict[str, str] = {}
     for name in STAGES:
-        ups = {u: out[u] for u in upstream(name)}
+        ups = {u: out[u] for u in graph.upstream(name)}
         out[name] = _digest({"stage": name, "own": stage_own_config(pc, name), "upstream": ups})
     return out
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from pipeline.config import PipelineConfig, from_dict, stage_hashes
 from pipeline.graph import upstream
+from pipeline.jobenv import free_port, requeue_self, restart_count  # noqa: F401  (free_port re-exported)
 from pipeline.ledger import (
     CANCELLED,
     COMPLETED,
@@ -42,13 +43,6 @@ def stage_out_dir(run_dir: Path, stage: str) -> Path:
 
 def job_folder(run_dir: Path, stage: str) -> Path:
     return Path(run_dir) / "jobs" / stage
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now (for the local executor's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def snapshot_code(run_dir: Path) -> Path:
@@ -210,7 +204,7 @@ def run_stage(
             _record_failure(ledger, stage, cfg, e)
         raise
     if rank == 0:
-        from pipeline.status import accounting
+        from pipeline.ledger import accounting
 
         extra = {
             **((ledger.read(stage) or StageRecord(stage)).extra),
@@ -248,7 +242,7 @@ def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> None:
 
 def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseException) -> None:
     """Ledger entry for a stage that did not complete: stopped on a signal, requeued, or failed."""
-    from stages.engine.signals import Preempted, requeue_self, restart_count
+    from stages.engine.signals import Preempted
 
     err = f"{type(e).__name__}: {e}"
     rec = ledger.read(stage)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from pipeline.config import ParallelConfig, TrainStage
+from pipeline.fsio import atomic_write_text
 from stages.context import MetricsWriter
 from stages.engine import distributed as D
 from stages.engine.bad_steps import BadStepError, BadStepGuard, reason_code, reason_from_code
@@ -508,9 +508,7 @@ class Trainer:
         p = self.progress_path
         if p is None or not D.is_rank0():
             return
-        tmp = p.with_name(".progress.json.tmp")
-        tmp.write_text(json.dumps({"step": self.iteration, "time": time.time()}))
-        os.replace(tmp, p)
+        atomic_write_text(p, json.dumps({"step": self.iteration, "time": time.time()}), durable=False)
 
     def _stop(self) -> bool:
         """Agreed over all ranks every step, so all stop (and save) at the same step."""
