@@ -138,7 +138,8 @@ def test_concurrent_commands_lose_no_update(tmp_path: Path) -> None:
     led, writers, n = Ledger(tmp_path), 3, 60
     led.write(StageRecord(stage="pretrain"))
     procs = [
-        subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(w), str(n)]) for w in range(writers)
+        subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(w), str(n)])
+        for w in range(writers)
     ]
     try:
         (tmp_path / "go").touch()
