@@ -101,10 +101,21 @@ def init(
     return env
 
 
+_BASE_SEED = 1234
+
+
+def base_seed() -> int:
+    """The seed given to ``init`` (before the per-stage offset): initial weights are drawn from it."""
+    return _BASE_SEED
+
+
 def set_seed(seed: int) -> None:
-    """Seed python, numpy, torch and megatron's model-parallel RNG tracker (offset per pipeline stage)."""
+    """Seed python, numpy, torch and megatron's model-parallel RNG tracker (offset per pipeline stage:
+    dropout streams differ per stage; initial weights do not, see stages.engine.init_weights)."""
     from megatron.core import parallel_state, tensor_parallel
 
+    global _BASE_SEED
+    _BASE_SEED = seed
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
