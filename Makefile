@@ -17,6 +17,7 @@ test: setup
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	.venv/bin/lint-imports
+	bash scripts/check_wheel.sh
 	$(PY) -m pytest
 
 lint: setup

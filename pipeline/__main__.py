@@ -11,13 +11,13 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.config import ConfigError, build_config, register_configs
+from pipeline.config import CONF_DIR, ConfigError, build_config, register_configs
 from pipeline.orchestrate import RunError, execute
 
 _exit_codes: list[int] = []  # one per trial: Hydra's decorator swallows return values
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base=None)
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     try:
         pc = build_config(cfg)
@@ -31,7 +31,12 @@ def main(cfg: DictConfig) -> None:
     _exit_codes.append(code)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``llm-pipeline`` console command (same as ``python -m pipeline``)."""
     register_configs()
     main()
     sys.exit(max(_exit_codes, default=0))
+
+
+if __name__ == "__main__":
+    cli()

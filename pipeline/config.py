@@ -609,7 +609,14 @@ def register_configs() -> None:
     cs.store(group="parallel", name="schema", node=ParallelConfig)
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+def _conf_dir() -> Path:
+    """``conf/`` next to the packages in a checkout (or a job's code snapshot); ``pipeline/conf`` in a wheel."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "conf"
+    return checkout if (checkout / "config.yaml").is_file() else here / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> Any:

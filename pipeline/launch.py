@@ -54,6 +54,8 @@ def snapshot_code(run_dir: Path) -> Path:
         dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
     tmp = dest.with_name(dest.name + ".tmp")
     for d in CODE_DIRS:
+        if not (REPO_ROOT / d).is_dir():
+            continue  # an installed wheel: conf/ travels inside pipeline/
         shutil.copytree(REPO_ROOT / d, tmp / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     tmp.rename(dest)
     return dest

@@ -16,9 +16,15 @@ Example (70B on 64 nodes of 8 GPUs)::
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from pipeline.config import TRAIN_STAGES, ConfigError, PipelineConfig, build_config, register_configs
+from pipeline.config import (
+    CONF_DIR,
+    TRAIN_STAGES,
+    ConfigError,
+    PipelineConfig,
+    build_config,
+    register_configs,
+)
 from pipeline.planner import (
     BYTES_PER_PARAM,
     RECOMPUTE_MODES,
@@ -29,7 +35,6 @@ from pipeline.planner import (
     param_count,
 )
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 _LABEL = 40
 _COLUMN = 16
 
