@@ -6,7 +6,8 @@ weights. Here every randomly initialised parameter is drawn again, after the mod
 generator seeded by ``(seed, global parameter name)``, where the name carries the global layer number
 (``decoder.layers.<global>.…``): the same tensor at any TP / PP / VPP / DP layout. A tensor-parallel shard
 is the slice of the full tensor that megatron's own CPU initialisation would give this rank (same split,
-same stride). The distributions stay megatron's: ``config.embedding_init_method`` for embeddings,
+same stride; drawn on the parameter's device, so CPU and GPU runs each agree across their layouts). The
+distributions stay megatron's: ``config.embedding_init_method`` for embeddings,
 ``config.output_layer_init_method`` for the projections into the residual stream (``linear_proj``,
 ``linear_fc2``), ``config.init_method`` for the other weights. Constant parameters (norm weights, biases:
 ones or zeros) are already layout-invariant and left alone.
@@ -71,8 +72,8 @@ def init_by_global_name(model: Any, config: Any, seed: int, tp_rank: int, tp_siz
         shape = list(param.shape)
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shape[int(param.partition_dim)] *= tp_size
-        full = torch.empty(shape, dtype=torch.float32)
-        gen = torch.Generator().manual_seed(param_seed(seed, gname))
+        full = torch.empty(shape, dtype=torch.float32, device=param.device)  # drawn where it lives
+        gen = torch.Generator(device=param.device).manual_seed(param_seed(seed, gname))
         _init_method(config, gname)(full, generator=gen)
         param.copy_(_tp_slice(full, param, tp_rank, tp_size).to(param.dtype))
         redrawn += 1
