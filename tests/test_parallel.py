@@ -149,6 +149,28 @@ def torch_equal(a: Any, b: Any) -> bool:
     return bool(torch.equal(a, b))
 
 
+@pytest.mark.parametrize(("dim", "stride"), [(0, 1), (1, 1), (0, 2)])
+def test_tensor_parallel_shard_is_megatrons_slice_of_the_full_tensor(dim: int, stride: int) -> None:
+    """The shard drawn by global name is what megatron's CPU initialisation gives each rank (split, stride)."""
+    import torch
+    from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+
+    from stages.engine.init_weights import _tp_slice, param_seed
+
+    tp, full = 2, torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    for rank in range(tp):
+        local = list(full.shape)
+        local[dim] //= tp
+        want = torch.empty(local)
+        _initialize_affine_weight_cpu(
+            want, 8, 6, local[dim], dim, lambda w: w.copy_(full), stride, rank=rank, world_size=tp
+        )
+        assert torch.equal(_tp_slice(full, want, rank, tp), want)
+    assert param_seed(1234, "decoder.layers.3.mlp.linear_fc1.weight") != param_seed(
+        1234, "decoder.layers.2.mlp.linear_fc1.weight"
+    )
+
+
 # ---------------------------------------------------------------------------- activation recompute
 
 
