@@ -15,7 +15,10 @@ start=$(date +%s)
 # 1. the wheel, built from a copy of the working tree (no stale build/ folder can leak into it)
 mkdir -p "$tmp/src"
 git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$tmp/src"
-"$PY" -m pip --disable-pip-version-check -q wheel --no-deps --no-build-isolation -w "$tmp/dist" "$tmp/src"
+isolation=()  # build with .venv's setuptools when it has one (no download); else pip's isolated build env
+"$PY" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 64)' 2>/dev/null \
+  && isolation=(--no-build-isolation)
+"$PY" -m pip --disable-pip-version-check -q wheel --no-deps "${isolation[@]}" -w "$tmp/dist" "$tmp/src"
 wheel=$(ls "$tmp"/dist/llm_pipeline-*.whl)
 unzip -l "$wheel" | grep -q "pipeline/conf/config.yaml" || { echo "check_wheel: conf/ missing from $wheel"; exit 1; }
 
