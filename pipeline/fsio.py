@@ -13,9 +13,11 @@ Bottom layer: imports nothing from the project, so the engine, the stages and or
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import secrets
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -70,6 +72,22 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data), binary=True)
 
 
+# A filesystem mounted without lock support (NFS ``nolock``, no lockd) answers ENOLCK: warn once per path and
+# go on unlocked rather than stop every command (the previous behaviour, without the lock).
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+_WARNED: set[str] = set()
+
+
+def _warn_unlocked(path: str, e: OSError) -> None:
+    if path not in _WARNED:
+        _WARNED.add(path)
+        print(
+            f"warning: {path}: the filesystem refuses POSIX locks ({e.strerror}); ledger updates "
+            "from concurrent commands are not serialised",
+            file=sys.stderr,
+        )
+
+
 _HELD: dict[str, tuple[threading.RLock, list[int]]] = {}
 _HELD_GUARD = threading.Lock()
 
@@ -100,6 +118,12 @@ def locked(lock_path: Path | str) -> Iterator[None]:
             fd = os.open(key, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in _NO_LOCKS:
+                    raise
+                _warn_unlocked(key, e)
+                fd = -1
             except BaseException:
                 os.close(fd)
                 raise
@@ -109,7 +133,7 @@ def locked(lock_path: Path | str) -> Iterator[None]:
             yield
         finally:
             state[0] -= 1
-            if state[0] == 0:
+            if state[0] == 0 and state[1] >= 0:
                 fd, state[1] = state[1], -1
                 try:
                     fcntl.lockf(fd, fcntl.LOCK_UN)
