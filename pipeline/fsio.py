@@ -5,8 +5,9 @@ Bottom layer: imports nothing from the project, so the engine, the stages and or
 - ``atomic_write_text`` / ``atomic_write_bytes`` / ``atomic_write``: temp file in the same folder, fsync,
   ``os.replace``, fsync of the folder: a reader sees the old file or the new one, never a part.
 - ``locked``: an exclusive POSIX record lock (``fcntl.lockf``) on a lock file. Record locks are what shared
-  cluster filesystems honour across nodes (NFS through lockd/NLM or v4 locks, Lustre with ``flock`` or
-  ``localflock`` mounts, GPFS); ``flock(2)`` is not forwarded by every NFS client. The kernel drops the lock
+  cluster filesystems honour across nodes (NFS through lockd/NLM or v4 locks, Lustre mounted with
+  ``flock``: ``localflock`` only locks within one node, GPFS); ``flock(2)`` is not forwarded by every NFS
+  client. A filesystem that refuses locks gets a warning and unlocked updates. The kernel drops the lock
   when the holder dies, so a killed command never leaves a stale lock.
 """
 
