@@ -25,6 +25,12 @@ def upstream(stage: str) -> tuple[str, ...]:
     return DEPENDS[stage]
 
 
+def weights_upstream(stage: str) -> str | None:
+    """The training stage whose final checkpoint ``<stage>.init_from: auto`` loads (None: random init)."""
+    ups = [u for u in upstream(stage) if u in TRAIN_STAGES]
+    return ups[-1] if ups else None
+
+
 def order(selected: list[str]) -> list[str]:
     """The selected stages in graph order (duplicates dropped)."""
     for s in selected:

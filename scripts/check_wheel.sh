@@ -14,7 +14,8 @@ start=$(date +%s)
 
 # 1. the wheel, built from a copy of the working tree (no stale build/ folder can leak into it)
 mkdir -p "$tmp/src"
-git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$tmp/src"
+git ls-files -co --exclude-standard -z | sort -zu \
+  | while IFS= read -r -d '' f; do if [ -e "$f" ]; then printf '%s\0' "$f"; fi; done | xargs -0 cp --parents -t "$tmp/src"
 isolation=()  # build with .venv's setuptools when it has one (no download); else pip's isolated build env
 "$PY" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 64)' 2>/dev/null \
   && isolation=(--no-build-isolation)
