@@ -321,7 +321,7 @@ def _call_stage(stage: str, cfg: PipelineConfig, run_dir: Path) -> dict[str, Any
     if stage == "data_prep":  # one prepared copy per data identity, shared under run.root
         from pipeline.data_identity import link_shared_data, shared_data_prep
 
-        link_shared_data(cfg, ctx.out_dir)
+        link_shared_data(cfg, ctx.out_dir, stage_hashes(cfg)["data_prep"])
         module = importlib.import_module("stages.data_prep")
         return shared_data_prep(cfg, ctx.out_dir, lambda: dict(module.main(cfg, ctx) or {}))
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
