@@ -212,6 +212,8 @@ class ClusterConfig:
     """Seconds before the time limit at which SLURM warns the job (SIGUSR1)."""
     max_requeues: int = 3
     """Times a crashed or hung job asks SLURM to requeue itself."""
+    peak_tflops: float | None = None
+    """Dense peak TFLOP/s of one rank's device in the training precision, the MFU denominator (None: planner.gpu_peak_tflops with GPUs, else the CPU figure measured by bench/bench_matmul.py)."""
 
     def __post_init__(self) -> None:
         _choice("executor", self.executor, ("local", "debug", "slurm"))
@@ -220,6 +222,8 @@ class ClusterConfig:
         _positive("ranks_per_node", self.ranks_per_node)
         _positive("cpus_per_node", self.cpus_per_node)
         _positive("max_requeues", self.max_requeues, allow_zero=True)
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            _fail("peak_tflops", self.peak_tflops, "must be > 0 (or null for the default)")
         for k in self.env:
             if not k.replace("_", "").isalnum() or k[0].isdigit():
                 _fail(f"env.{k}", self.env[k], "environment variable names are letters, digits and _")
@@ -286,6 +290,40 @@ class DataPrepStage:
 
 
 @dataclass
+class MonitorConfig:
+    """What a training stage reports besides metrics.jsonl (sinks, rank 0 only) and when it raises an alarm."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to <stage dir>/tensorboard (``tensorboard --logdir <run_dir>``)."""
+    wandb: bool = False
+    """Log to Weights & Biases (pip extra ``wandb``); offline unless WANDB_API_KEY or WANDB_MODE is set."""
+    wandb_project: str = "llm-pipeline"
+    """W&B project; runs are grouped by the run directory's name, one W&B run per stage."""
+    alarm_loss_spike: float = 3.0
+    """Alarm when a logged loss exceeds this x the running mean of the previous logged losses; 0 = off."""
+    alarm_grad_norm: float = 1e5
+    """Alarm when a logged gradient norm exceeds this (or is not finite); 0 = off."""
+    alarm_throughput_drop: float = 0.5
+    """Alarm when tokens/s falls below this fraction of its running median; 0 = off."""
+    alarm_stall_s: float = 600.0
+    """Alarm when no step ends for this many seconds (the watchdog, hang_timeout_s, may kill later); 0 = off."""
+    alarm_warmup: int = 3
+    """Logged lines before the loss-spike and throughput alarms compare against their running figures."""
+
+    def __post_init__(self) -> None:
+        if self.alarm_loss_spike != 0 and not self.alarm_loss_spike > 1:
+            _fail("alarm_loss_spike", self.alarm_loss_spike, "must be 0 (off) or > 1")
+        if self.alarm_grad_norm < 0:
+            _fail("alarm_grad_norm", self.alarm_grad_norm, "must be >= 0 (0: off)")
+        _range("alarm_throughput_drop", self.alarm_throughput_drop, 0.0, 0.99)
+        if self.alarm_stall_s < 0:
+            _fail("alarm_stall_s", self.alarm_stall_s, "must be >= 0 (0: off)")
+        _positive("alarm_warmup", self.alarm_warmup, allow_zero=True)
+        if not self.wandb_project or "/" in self.wandb_project:
+            _fail("wandb_project", self.wandb_project, "must be a non-empty name without '/'")
+
+
+@dataclass
 class TrainStage:
     """A training stage (pretrain, sft, rlhf): the shared loop's settings."""
 
@@ -341,6 +379,8 @@ class TrainStage:
     """DPO: strength of the KL anchor to the reference model (rlhf only)."""
     algorithm: str = "dpo"
     """rlhf algorithm: dpo (others plug in here later)."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """TensorBoard / W&B sinks and alarm thresholds (no effect on results)."""
 
     def __post_init__(self) -> None:
         _positive("iters", self.iters)
@@ -507,6 +547,7 @@ _DATACLASSES: dict[str, type] = {
     for c in (
         ModelConfig,
         ParallelConfig,
+        MonitorConfig,
         ClusterConfig,
         DataConfig,
         DataPrepStage,
@@ -563,6 +604,7 @@ _RESOURCE_KEYS = {
     "grad_spike_factor",
     "max_bad_steps",
     "async_save",
+    "monitor",
 }
 _RESULT_PARALLEL_KEYS = ("global_batch_size", "precision")
 

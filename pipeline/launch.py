@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from pipeline.alarms import forward_alarms
 from pipeline.config import PipelineConfig, from_dict, stage_hashes
 from pipeline.graph import upstream
 from pipeline.ledger import (
@@ -207,9 +208,11 @@ def run_stage(
         out = _call_stage(stage, cfg, Path(run_dir))
     except BaseException as e:
         if rank == 0:
+            forward_alarms(ledger, stage)
             _record_failure(ledger, stage, cfg, e)
         raise
     if rank == 0:
+        forward_alarms(ledger, stage)
         from pipeline.status import accounting
 
         extra = {

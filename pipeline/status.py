@@ -10,10 +10,11 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.alarms import format_alarm, read_alarms
 from pipeline.config import STAGES
 from pipeline.graph import upstream
 from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, Ledger, StageRecord
@@ -35,6 +36,7 @@ class StageView:
     job_ids: str = ""
     stderr: str | None = None
     accounting: str = ""
+    alarms: list[str] = field(default_factory=list)
 
 
 def view(rec: StageRecord | None, stage: str) -> StageView:
@@ -130,6 +132,8 @@ def run_status(run_dir: Path) -> list[StageView]:
     views = [view(rec, s) for s in STAGES if (rec := ledger.read(s)) is not None]
     _name_blockers(views)
     _add_accounting(run_dir, ledger, views)
+    for v in views:
+        v.alarms = [format_alarm(a) for a in read_alarms(run_dir, v.stage)]
     return views
 
 
@@ -141,6 +145,9 @@ def format_status(run_dir: Path, views: list[StageView]) -> str:
             lines += [f"{'':<10} log: {v.log}"] + ([f"{'':<10} stderr: {v.stderr}"] if v.stderr else [])
         if v.accounting:
             lines.append(f"{'':<10} {v.accounting}")
+        lines += [f"{'':<10} {a}" for a in v.alarms[-5:]]
+        if len(v.alarms) > 5:
+            lines.append(f"{'':<10} ({len(v.alarms) - 5} earlier alarm(s) in {v.stage}'s metrics.jsonl)")
     failed = [v for v in views if v.state == FAILED]
     if failed:
         lines.append(
