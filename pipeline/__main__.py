@@ -15,12 +15,14 @@ from pipeline.config import ConfigError, build_config, register_configs
 from pipeline.orchestrate import RunError, execute
 
 _exit_codes: list[int] = []  # one per trial: Hydra's decorator swallows return values
+_roots: list[str] = []  # run.root of each trial: a sweep's report is written across its run directories
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     try:
         pc = build_config(cfg)
+        _roots.append(pc.run.root)
         code = execute(pc)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -34,4 +36,8 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     register_configs()
     main()
+    if len(_exit_codes) > 1 and len(set(_roots)) == 1:
+        from pipeline.orchestrate import write_sweep_report
+
+        write_sweep_report(_roots[0])
     sys.exit(max(_exit_codes, default=0))

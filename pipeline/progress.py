@@ -84,3 +84,21 @@ class Follower:
             except json.JSONDecodeError:
                 continue
         return out
+
+
+def last_record(path: Path, kind: str) -> dict[str, Any] | None:
+    """The newest record of ``kind`` in a metrics file (reads its tail only)."""
+    if not path.exists():
+        return None
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        f.seek(max(f.tell() - 65536, 0))
+        data = f.read()
+    for line in reversed(data.splitlines()):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == kind:
+            return rec
+    return None

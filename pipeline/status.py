@@ -165,12 +165,36 @@ def main(argv: list[str] | None = None) -> int:
     if not (a.run_dir / "ledger").is_dir():
         print(f"error: {a.run_dir} is not a run directory (no ledger/ inside)", file=sys.stderr)
         return 2
-    while True:
-        views = run_status(a.run_dir)
-        print(format_status(a.run_dir, views), flush=True)
-        if not a.watch or not any(v.state in ("submitted", "pending", "running", "requeued") for v in views):
-            return 1 if any(v.state in (FAILED, BLOCKED, CANCELLED) for v in views) else 0
-        time.sleep(a.watch)
+    live = bool(a.watch) and sys.stdout.isatty()
+    try:
+        while True:
+            views = run_status(a.run_dir)
+            text = format_status(a.run_dir, views)
+            if a.watch:
+                text += "\n" + live_lines(a.run_dir, views, a.watch)
+            # a terminal: redraw in place (cursor home, clear screen); a pipe: one block per refresh
+            print(("\x1b[H\x1b[2J" if live else "") + text, flush=True)
+            if not a.watch or not any(v.state in ACTIVE_VIEW for v in views):
+                return 1 if any(v.state in (FAILED, BLOCKED, CANCELLED) for v in views) else 0
+            time.sleep(a.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+ACTIVE_VIEW = ("submitted", "pending", "running", "requeued")
+
+
+def live_lines(run_dir: Path, views: list[StageView], every: float) -> str:
+    """For --watch: each active stage's newest progress line (step, loss, tokens/s, MFU, memory, ETA)."""
+    from pipeline.progress import format_record, last_record
+
+    lines = []
+    for v in views:
+        if v.state in ACTIVE_VIEW:
+            rec = last_record(Path(run_dir) / "stages" / v.stage / "metrics.jsonl", "train")
+            lines.append((rec and format_record(v.stage, rec)) or f"[{v.stage}] no step yet")
+    stamp = time.strftime("%H:%M:%S")
+    return "\n".join(lines + [f"refreshed {stamp}, every {every:g} s (Ctrl-C to quit)"])
 
 
 if __name__ == "__main__":
