@@ -242,3 +242,12 @@ def test_report_of_a_run_and_of_a_sweep(tmp_path: Path) -> None:
     assert "loss_spike" in page and 'id="curves-pretrain"' in page and "http" not in page.split("<body")[0]
     sweep = write_report(tmp_path).read_text()
     assert "tiny-abc" in sweep and 'class="trials"' in sweep
+
+
+def test_wandb_run_id_is_kept_in_the_stage_dir_for_resume(tmp_path: Path) -> None:
+    from stages.engine.callbacks.wandb import WandB, mode
+
+    first = WandB(tmp_path, "p", "run-abc", "pretrain", {}).run_id()
+    again = WandB(tmp_path, "p", "run-abc", "pretrain", {}).run_id()  # a resumed stage: a new process
+    assert first == again == (tmp_path / "wandb" / "run_id").read_text().strip()
+    assert mode() in ("offline", "online", "disabled", "dryrun")
