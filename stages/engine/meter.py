@@ -41,6 +41,9 @@ class StepMeter:
         finally:
             self.parts[part] = self.parts.get(part, 0.0) + time.perf_counter() - t0
 
+    def add(self, part: str, seconds: float) -> None:
+        self.parts[part] = self.parts.get(part, 0.0) + seconds
+
     def fields(self, steps: int, compute_s: float) -> dict[str, Any]:
         out: dict[str, Any] = {f"time_{k}_s": v / max(steps, 1) for k, v in self.parts.items()}
         self.parts = dict.fromkeys(PARTS, 0.0)

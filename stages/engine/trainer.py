@@ -562,19 +562,20 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.finalize()
                 saved = len(self.checkpointer.save_seconds)
-                with self.meter.time("checkpoint"):
-                    self.checkpointer.maybe_save(
-                        s, s == st.iters, stop, self.chunks, self.optimizer, self.scheduler, self.state()
-                    )
+                self.checkpointer.maybe_save(
+                    s, s == st.iters, stop, self.chunks, self.optimizer, self.scheduler, self.state()
+                )
                 if len(self.checkpointer.save_seconds) > saved:
-                    record = {
-                        "kind": "checkpoint",
-                        "step": s,
-                        "save_s": self.checkpointer.save_seconds[-1],
-                        "async": self.checkpointer.async_save and not (stop or s == st.iters),
-                    }
-                    self.metrics.write(record)
-                    self.callbacks.emit("on_save", s, record)
+                    self.metrics.write(
+                        {
+                            "kind": "checkpoint",
+                            "step": s,
+                            "save_s": self.checkpointer.save_seconds[-1],
+                            "async": self.checkpointer.async_save and not (stop or s == st.iters),
+                        }
+                    )
+                    self.meter.add("checkpoint", self.checkpointer.save_seconds[-1])
+                    self.callbacks.emit("on_save", s, {"save_s": self.checkpointer.save_seconds[-1]})
         if self.checkpointer is not None:
             self.checkpointer.finalize(blocking=True)
         if stop and self.iteration < st.iters:
