@@ -251,3 +251,22 @@ def test_wandb_run_id_is_kept_in_the_stage_dir_for_resume(tmp_path: Path) -> Non
     again = WandB(tmp_path, "p", "run-abc", "pretrain", {}).run_id()  # a resumed stage: a new process
     assert first == again == (tmp_path / "wandb" / "run_id").read_text().strip()
     assert mode() in ("offline", "online", "disabled", "dryrun")
+
+
+def test_timeline_shows_each_attempt_and_how_it_ended(tmp_path: Path) -> None:
+    from pipeline.html_report import attempts, run_report
+
+    run = _fake_run(tmp_path)
+    ledger = Ledger(run)
+    for e in ("started", "requeued", "started", "started", "completed"):
+        ledger.event(e, "pretrain", error="node died" if e == "requeued" else None)
+    m = run / "stages" / "pretrain" / "metrics.jsonl"
+    with open(m, "a") as f:
+        f.write(
+            json.dumps({"time": 3.0, "kind": "resume", "from_step": 4, "reached_step": 6, "steps_lost": 2})
+            + "\n"
+        )
+    got = [a["how"] for a in attempts(ledger.events(), "pretrain", now=1e12)]
+    assert got == ["requeued", "lost", "completed"]
+    page = run_report(run)
+    assert page.count('class="attempt"') == 3 and "node died" in page
