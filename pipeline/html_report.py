@@ -278,8 +278,6 @@ def run_report(run_dir: Path) -> str:
             "<h2>Training</h2>"
             + _table(hdr, [stage_summary(s, metrics[s]) for s in trained], "train-summary")
         )
-    for s in trained:
-        out.append(f"<h3>{s}</h3>" + stage_curves(s, metrics[s]))
     out.append("<h2>Eval</h2>" + eval_table(run_dir))
     hdr = [
         "stage",
@@ -310,6 +308,10 @@ def run_report(run_dir: Path) -> str:
             else '<p class="muted" id="no-alarms">none</p>'
         )
     )
+    if trained:
+        out.append("<h2>Curves</h2>")
+    for s in trained:
+        out.append(f"<h3>{s}</h3>" + stage_curves(s, metrics[s]))
     prov = run_dir / "provenance"
     for name, label in (
         ("config.yaml", "Resolved config"),
