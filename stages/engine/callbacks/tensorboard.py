@@ -26,6 +26,8 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 class TensorBoard(Callback):
+    """The writer is created at the first scalar (importing it takes a second: not before the first step)."""
+
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = Path(log_dir)
         self.writer: Any = None
@@ -41,9 +43,6 @@ class TensorBoard(Callback):
         w = self._w()
         for k, v in scalars(view.metrics).items():
             w.add_scalar(f"{prefix}/{k}", v, view.step)
-
-    def on_train_start(self, view: StepView) -> None:
-        self._w()
 
     def on_step_end(self, view: StepView) -> None:
         if view.logged:
