@@ -55,12 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.html_report import is_run_dir, trials, write_report
 
     if not a.path.is_dir() or not (is_run_dir(a.path) or trials(a.path)):
-        print(
-            f"config error: path={a.path}: not a run directory (no ledger/ inside) "
-            "nor a folder of run directories",
-            file=sys.stderr,
-        )
-        return 2
+        from pipeline.cli import report
+        from pipeline.config import ConfigError
+
+        msg = f"path={str(a.path)!r}: not a run directory (no ledger/ inside) nor a folder of run directories"
+        return report(ConfigError(msg))
     print(write_report(a.path, a.output))
     return 0
 

@@ -136,7 +136,7 @@ def test_stall_alarm_thread_fires_in_real_time() -> None:
 def test_monitor_config_is_validated_with_the_key_named() -> None:
     with pytest.raises(ValueError, match="alarm_loss_spike"):
         from_dict({"pretrain": {"monitor": {"alarm_loss_spike": 0.5}}})
-    with pytest.raises(ValueError, match=r"pretrain.monitor.alarm_spike: unknown key"):
+    with pytest.raises(ValueError, match=r"pretrain.monitor.alarm_spike=2: unknown key"):
         from_dict({"pretrain": {"monitor": {"alarm_spike": 2}}})
 
 
