@@ -16,12 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STAGES: tuple[str, ...] = ("data_prep", "pretrain", "sft", "rlhf", "eval")
-TRAIN_STAGES: tuple[str, ...] = ("pretrain", "sft", "rlhf")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message starts with the dotted key."""
+from pipeline import graph
+from pipeline.errors import ConfigError
+from pipeline.graph import STAGES, TRAIN_STAGES
 
 
 def _fail(key: str, value: Any, allowed: str) -> None:
@@ -496,6 +493,8 @@ class TrainStage:
     """Steps between checkpoints (the final step is always saved)."""
     keep_last: int = num(2, ge=1)
     """Checkpoints kept besides the final one."""
+    keep_incomplete: int = num(1, ge=0)
+    """Temp dirs of crashed saves kept for inspection (the newest); older ones are deleted, and logged, at resume and after each save. A save that fails with an error removes its own at once."""
     hang_timeout_s: int = num(900, ge=0)
     """Watchdog: a rank without progress this long dumps its stacks and exits (code 86); 0 = off."""
     nan_policy: str = "skip"
@@ -697,7 +696,7 @@ def build_config(cfg: Any) -> PipelineConfig:
 
 def _check_cross(pc: PipelineConfig) -> None:
     """Relations between keys of different sections, and keys a stage would silently ignore."""
-    from pipeline.plan import check_layout  # local: plan imports this module
+    from pipeline.plan import check_layout
 
     for name in pc.run.stages:
         check_layout(pc, name)
@@ -806,6 +805,7 @@ IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
     "log_interval": "how often metrics are printed",
     "save_interval": "checkpoint cadence: resume and rollback replay exactly",
     "keep_last": "how many checkpoints are kept on disk",
+    "keep_incomplete": "how many temp dirs of crashed saves are kept on disk",
     "max_bad_steps": "only decides whether a stage stops; a completed stage's result does not depend on it",
     "nan_policy": "skip and rollback give bit-identical weights (tests/test_nan_policy.py); stop only ends "
     "the stage",
@@ -841,11 +841,9 @@ def stage_hashes(pc: PipelineConfig, with_inputs: bool = True) -> dict[str, str]
     ``with_inputs``: data_prep's hash also covers the contents of its input files
     (``pipeline.data_identity``), so editing a corpus file reruns data_prep and everything downstream.
     """
-    from pipeline.graph import upstream
-
     out: dict[str, str] = {}
     for name in STAGES:
-        ups = {u: out[u] for u in upstream(name)}
+        ups = {u: out[u] for u in graph.upstream(name)}
         own = stage_own_config(pc, name)
         if name == "data_prep" and with_inputs:
             from pipeline.data_identity import inputs_digest
@@ -880,7 +878,14 @@ def register_configs() -> None:
     cs.store(group="parallel", name="schema", node=ParallelConfig)
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+def _conf_dir() -> Path:
+    """``conf/`` next to the packages in a checkout (or a job's code snapshot); ``pipeline/conf`` in a wheel."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "conf"
+    return checkout if (checkout / "config.yaml").is_file() else here / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 
 def compose(
