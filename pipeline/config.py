@@ -271,6 +271,8 @@ class ClusterConfig:
     """Times a crashed or hung job asks SLURM to requeue itself."""
     fs_bandwidth_gb_s: float = num(2.0, gt=0)
     """Assumed read/write bandwidth one node gets from the shared filesystem, GB/s (the planner's checkpoint save/load/verify times)."""
+    peak_tflops: float | None = num(None, integer=False, gt=0)
+    """Dense peak TFLOP/s of one rank's device in the training precision, the MFU denominator (None: planner.gpu_peak_tflops with GPUs, else the CPU figure measured by bench/bench_matmul.py)."""
 
     def __post_init__(self) -> None:
         check_domains(self)
@@ -428,6 +430,33 @@ class DataPrepStage:
 
 
 @dataclass
+class MonitorConfig:
+    """What a training stage reports besides metrics.jsonl (sinks, rank 0 only) and when it raises an alarm."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to <stage dir>/tensorboard (``tensorboard --logdir <run_dir>``)."""
+    wandb: bool = False
+    """Log to Weights & Biases (pip extra ``wandb``); offline unless WANDB_API_KEY or WANDB_MODE is set."""
+    wandb_project: str = "llm-pipeline"
+    """W&B project; runs are grouped by the run directory's name, one W&B run per stage."""
+    alarm_loss_spike: float = num(3.0, gt=1, or_zero=True)
+    """Alarm when a logged loss exceeds this x the running mean of the previous logged losses; 0 = off."""
+    alarm_grad_norm: float = num(1e5, ge=0)
+    """Alarm when a logged gradient norm exceeds this (or is not finite); 0 = off."""
+    alarm_throughput_drop: float = num(0.5, ge=0, lt=1)
+    """Alarm when tokens/s falls below this fraction of its running median; 0 = off."""
+    alarm_stall_s: float = num(600.0, ge=0)
+    """Alarm when no step ends for this many seconds (the watchdog, hang_timeout_s, may kill later); 0 = off."""
+    alarm_warmup: int = num(3, ge=0)
+    """Logged lines before the loss-spike and throughput alarms compare against their running figures."""
+
+    def __post_init__(self) -> None:
+        check_domains(self)
+        if not self.wandb_project or "/" in self.wandb_project:
+            _fail("wandb_project", self.wandb_project, "must be a non-empty name without '/'")
+
+
+@dataclass
 class TrainStage:
     """A training stage (pretrain, sft, rlhf): the shared loop's settings."""
 
@@ -489,6 +518,8 @@ class TrainStage:
     """DPO: strength of the KL anchor to the reference model (rlhf only)."""
     algorithm: str = "dpo"
     """rlhf algorithm: dpo (others plug in here later)."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """TensorBoard / W&B sinks and alarm thresholds (no effect on results)."""
 
     def __post_init__(self) -> None:
         check_domains(self)
@@ -639,6 +670,7 @@ _DATACLASSES: dict[str, type] = {
     for c in (
         ModelConfig,
         ParallelConfig,
+        MonitorConfig,
         ClusterConfig,
         DataConfig,
         DataSource,
@@ -791,6 +823,7 @@ IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
     "the stage",
     "async_save": "checkpoint writing in the background: the saved state is the same",
     "checkpoint_verify": "how a resume checks checkpoint files: only decides which checkpoint is trusted",
+    "monitor": "sinks (TensorBoard, W&B) and alarm thresholds only observe the run",
 }
 IDENTITY_PARALLEL_KEYS = ("global_batch_size", "precision")
 """The only parallel keys that change results; the rest is the layout, which must not (same weights at step 0

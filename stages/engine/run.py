@@ -79,10 +79,13 @@ def data_dir(ctx: StageContext) -> Path:
 def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: Sources) -> dict[str, Any]:
     """Run one training stage on this rank; returns rank-0 outputs (checkpoint, final_loss, steps, ...)."""
     from stages.engine import distributed as D
+    from stages.engine.callbacks.setup import flops_per_step, peak_tflops, stage_callbacks
     from stages.engine.checkpoint import find_latest, set_verify_mode
     from stages.engine.data import load_tokenizer
     from stages.engine.faults import FaultInjector
+    from stages.engine.meter import StepMeter
     from stages.engine.model import build_model, num_parameters
+    from stages.engine.oom import oom_report
     from stages.engine.signals import StopFlag, Watchdog
     from stages.engine.trainer import Checkpointer, Trainer, build_optimizer
 
@@ -95,6 +98,7 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
     D.init(par.tp, par.pp, plan.vpp if plan else par.vpp, seed=st.seed, threads=st.threads)
     set_verify_mode(st.checkpoint_verify)
     started["init"] = time.time()
+    callbacks = None
     try:
         tokenizer = load_tokenizer(data_dir(ctx) / "tokenizer.json")
         chunks = build_model(cfg.model, par, tokenizer.vocab_size)
@@ -106,6 +110,10 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
         ckpt.keep_incomplete = st.keep_incomplete
         seq_length = st.seq_length or cfg.model.seq_length
         train_source, valid_source = sources(tokenizer, st, seq_length, chunks, ckpt)
+        metrics = MetricsWriter(ctx.metrics_path, enabled=D.is_rank0())
+        callbacks = stage_callbacks(cfg, ctx, st, metrics, D.rank(), D.world_size())
+        flops = flops_per_step(cfg, st, seq_length, tokenizer.vocab_size, step.sequences_per_sample)
+        meter = StepMeter(flops, peak_tflops(cfg), D.world_size())
         trainer = Trainer(
             chunks,
             optimizer,
@@ -115,18 +123,21 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
             seq_length=seq_length,
             train_source=train_source,
             valid_source=valid_source,
-            metrics=MetricsWriter(ctx.metrics_path, enabled=D.is_rank0()),
+            metrics=metrics,
             checkpointer=ckpt,
             faults=FaultInjector(ctx.out_dir, D.rank()),
             stop_flag=stop_flag,
             watchdog=watchdog,
+            callbacks=callbacks,
+            meter=meter,
         )
         started["data"] = time.time()
         trainer.restore(init_weights=not ckpt.init_weights_loaded)
         started["restore"] = time.time()
         if D.is_rank0():
-            MetricsWriter(ctx.metrics_path).write(startup_record(started))
-        summary = trainer.fit()
+            metrics.write(startup_record(started))
+        with oom_report(cfg, ctx, metrics):
+            summary = trainer.fit()
         latest = summary["checkpoint"] or find_latest(ctx.checkpoint_dir)
         return {
             **summary,
@@ -135,6 +146,8 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
             "init_from": str(ckpt.init_from) if ckpt.init_from else None,
         }
     finally:
+        if callbacks is not None:
+            callbacks.close()
         watchdog.stop()
         stop_flag.uninstall()
         D.shutdown()
