@@ -82,9 +82,19 @@ class ModelConfig:
     rotary_base: int = 10000
     """RoPE base (position_embedding=rope)."""
     rotary_scaling: bool = False
-    """Llama-3.1 RoPE frequency scaling."""
+    """Llama-3 RoPE frequency scaling (rope_type llama3), with the four rotary_* settings below."""
+    rotary_scaling_factor: float = 8.0
+    """Llama-3 RoPE scaling factor (Llama 3.1: 8, Llama 3.2: 32)."""
+    rotary_low_freq_factor: float = 1.0
+    """Llama-3 RoPE scaling: low-frequency factor."""
+    rotary_high_freq_factor: float = 4.0
+    """Llama-3 RoPE scaling: high-frequency factor."""
+    rotary_original_max_positions: int = 8192
+    """Llama-3 RoPE scaling: the context length the model was pretrained with."""
     add_bias_linear: bool = True
     """Biases in linear layers (Llama: false)."""
+    add_qkv_bias: bool = False
+    """Biases on the query/key/value projection even when add_bias_linear is false (Qwen2)."""
     tie_embeddings: bool = True
     """Share input embedding and output projection."""
     init_method_std: float = 0.02
@@ -126,6 +136,15 @@ class ModelConfig:
                 "num_query_groups",
                 self.num_query_groups,
                 f"must divide num_attention_heads={self.num_attention_heads}",
+            )
+        _positive("rotary_original_max_positions", self.rotary_original_max_positions)
+        if not self.rotary_scaling_factor >= 1:
+            _fail("rotary_scaling_factor", self.rotary_scaling_factor, "must be >= 1")
+        if not 0 < self.rotary_low_freq_factor < self.rotary_high_freq_factor:
+            _fail(
+                "rotary_low_freq_factor",
+                self.rotary_low_freq_factor,
+                f"must be > 0 and < rotary_high_freq_factor={self.rotary_high_freq_factor}",
             )
         _range("hidden_dropout", self.hidden_dropout, 0.0, 1.0)
         _range("attention_dropout", self.attention_dropout, 0.0, 1.0)
