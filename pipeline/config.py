@@ -317,7 +317,7 @@ class TrainStage:
     seq_length: int | None = None
     """Tokens per sequence in this stage's batches (None = model.seq_length); SFT/DPO examples are short."""
     init_from: str | None = "auto"
-    """Weights to start from (fresh optimizer): auto = the upstream stage's final checkpoint, a path, or null (random)."""
+    """Weights to start from (fresh optimizer): auto = the upstream stage's final checkpoint, a path, hf:<dir> (a Hugging Face model directory: architecture, weights and tokenizer from it), or null (random)."""
     iters: int = 100
     """Optimizer steps."""
     lr: float = 1e-3
@@ -402,7 +402,7 @@ class EvalStage:
     threads: int = 2
     """torch.set_num_threads."""
     models: list[str] = field(default_factory=lambda: ["pretrain", "sft", "rlhf"])
-    """Which stages' final checkpoints to evaluate (those in the run)."""
+    """Which stages' final checkpoints to evaluate (those in the run), or hf:<dir> (a Hugging Face model directory)."""
     max_new_tokens: int = 8
     """Greedy generation length for task answers."""
     num_task_examples: int = 200
@@ -414,7 +414,8 @@ class EvalStage:
 
     def __post_init__(self) -> None:
         for m in self.models:
-            _choice("models", m, TRAIN_STAGES)
+            if not m.startswith("hf:"):
+                _choice("models", m, TRAIN_STAGES)
         for k in ("max_new_tokens", "num_task_examples", "perplexity_batches", "batch_size"):
             _positive(k, getattr(self, k))
 
@@ -551,6 +552,9 @@ def build_config(cfg: Any) -> PipelineConfig:
         raise ConfigError(f"<root>={raw!r}: expected a mapping")
     data = {k: v for k, v in raw.items() if k != "hydra"}
     pc: PipelineConfig = _build(PipelineConfig, data, "")
+    from pipeline.hf_model import apply as apply_hf  # local: it imports this module
+
+    pc = apply_hf(pc)  # hf:<dir> references: architecture and tokenizer from the directory
     _check_cross(pc)
     return pc
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pipeline.config import STAGES, ConfigError
+from typing import Any
+
+from pipeline.config import STAGES, TRAIN_STAGES, ConfigError
 
 # Each stage and the stages whose outputs it reads.
 DEPENDS: dict[str, tuple[str, ...]] = {
@@ -19,6 +21,17 @@ def upstream(stage: str) -> tuple[str, ...]:
     if stage not in DEPENDS:
         raise ConfigError(f"run.stages={stage!r}: must be one of {list(STAGES)}")
     return DEPENDS[stage]
+
+
+def required(stage: str, cfg: Any) -> tuple[str, ...]:
+    """Upstream stages whose outputs ``stage`` reads under ``cfg``: a training stage whose init_from is not
+    ``auto`` (a path, hf:<dir>, null) does not read its predecessor's weights; eval reads the stages it scores."""
+    ups = upstream(stage)
+    if stage in TRAIN_STAGES and getattr(cfg, stage).init_from != "auto":
+        return tuple(u for u in ups if u == "data_prep")
+    if stage == "eval":
+        return tuple(u for u in ups if u == "data_prep" or u in cfg.eval.models)
+    return ups
 
 
 def order(selected: list[str]) -> list[str]:

@@ -21,17 +21,56 @@ COMMON = {
 }
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|assistant|>"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}<|endoftext|>{% endif %}{% endfor %}"
+)
+"""The pipeline's prompt format as a chat template."""
+
+ROLE_TOKENS = ["<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>"]
+
+
+def make_tokenizer(out: Path, vocab_size: int = 320) -> int:
+    """A byte-level BPE with the role tokens and a chat template, saved as tokenizer.json +
+    tokenizer_config.json; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    text = [
+        f"What comes after {i}? {i + 1}. The quick brown fox jumps over the lazy dog." for i in range(300)
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=ROLE_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    fast.chat_template = CHAT_TEMPLATE
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    return int(tok.get_vocab_size(with_added_tokens=True))
+
+
 def make(kind: str, out: Path, seed: int = 0, vocab_size: int | None = None) -> Path:
-    """Save a random ``kind`` (llama3 | qwen2) model to ``out`` (config.json + model.safetensors)."""
+    """Save a random ``kind`` (llama3 | qwen2) model with its tokenizer to ``out`` (config.json, model.safetensors,
+    tokenizer files). llama3: model vocabulary = the tokenizer's; qwen2: 3 more rows (as published Qwen2
+    checkpoints have), an odd size that TP=2 pads."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    tok_size = make_tokenizer(out)
     torch.manual_seed(seed)
     cls: Any
     if kind == "llama3":
         cfg: Any = LlamaConfig(
             **COMMON,
-            vocab_size=vocab_size or 256,
+            vocab_size=vocab_size or tok_size,
             tie_word_embeddings=False,
             rope_theta=500000.0,
             rope_scaling={
@@ -44,7 +83,7 @@ def make(kind: str, out: Path, seed: int = 0, vocab_size: int | None = None) -> 
         )
         cls = LlamaForCausalLM
     elif kind == "qwen2":
-        cfg = Qwen2Config(**COMMON, vocab_size=vocab_size or 251, tie_word_embeddings=True)
+        cfg = Qwen2Config(**COMMON, vocab_size=vocab_size or tok_size + 3, tie_word_embeddings=True)
         cls = Qwen2ForCausalLM
     else:
         raise ValueError(kind)

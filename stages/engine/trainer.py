@@ -148,6 +148,14 @@ class Checkpointer:
 
         if self.init_from is None:
             return None
+        from stages.engine.convert.hf_config import is_hf_dir
+
+        if is_hf_dir(self.init_from):  # a Hugging Face model directory (init_from=hf:<dir>)
+            from stages.engine.convert.hf import load_hf
+            from stages.engine.convert.hf_config import model_config
+
+            load_hf(chunks, self.init_from, model_config(self.init_from))
+            return self.init_from
         path = (
             self.init_from
             if (self.init_from / checkpoint.MARKER).is_file()
