@@ -14,6 +14,7 @@ Exit code 2: bad arguments (no such run, stage or checkpoint; a model without a 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -56,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = run_config(run_dir)
         ledger = Ledger(run_dir)
         stage = pick_stage(ledger, args.stage)
-        from stages.engine.checkpoint import find_latest
-
+        find_latest = importlib.import_module("stages.engine.checkpoint").find_latest
         ckpt = find_latest(run_dir / "stages" / stage / "checkpoints", collective=False)
         if ckpt is None:
             raise ConfigError(
@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from stages.engine.convert.export import TOLERANCE, ExportError, export
-    from stages.engine.convert.hf_config import HFConfigError
+    exp = importlib.import_module("stages.engine.convert.export")
+    HFConfigError = importlib.import_module("stages.engine.convert.hf_config").HFConfigError
+    TOLERANCE, ExportError, export = exp.TOLERANCE, exp.ExportError, exp.export
 
     try:
         manifest = export(

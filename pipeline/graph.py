@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import STAGES, TRAIN_STAGES, ConfigError
+from pipeline.errors import ConfigError
 
 # Each stage and the stages whose outputs it reads.
 DEPENDS: dict[str, tuple[str, ...]] = {
@@ -14,6 +14,10 @@ DEPENDS: dict[str, tuple[str, ...]] = {
     "rlhf": ("data_prep", "sft"),
     "eval": ("data_prep", "pretrain", "sft", "rlhf"),
 }
+STAGES: tuple[str, ...] = tuple(DEPENDS)
+"""Every stage, in the order they run."""
+TRAIN_STAGES: tuple[str, ...] = ("pretrain", "sft", "rlhf")
+"""The stages that train a model with the engine."""
 
 
 def upstream(stage: str) -> tuple[str, ...]:
@@ -21,6 +25,12 @@ def upstream(stage: str) -> tuple[str, ...]:
     if stage not in DEPENDS:
         raise ConfigError(f"run.stages={stage!r}: must be one of {list(STAGES)}")
     return DEPENDS[stage]
+
+
+def weights_upstream(stage: str) -> str | None:
+    """The training stage whose final checkpoint ``<stage>.init_from: auto`` loads (None: random init)."""
+    ups = [u for u in upstream(stage) if u in TRAIN_STAGES]
+    return ups[-1] if ups else None
 
 
 def required(stage: str, cfg: Any) -> tuple[str, ...]:

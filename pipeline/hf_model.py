@@ -55,7 +55,10 @@ def _default_model() -> ModelConfig:
 
 def apply(pc: PipelineConfig) -> PipelineConfig:
     """``pc`` with model and tokenizer taken from its ``hf:`` reference (unchanged without one)."""
-    from stages.engine.convert.hf_config import HFConfigError, arch_values, read_config
+    import importlib
+
+    hfc = importlib.import_module("stages.engine.convert.hf_config")  # not followed by mypy (pipeline/ only)
+    HFConfigError, arch_values, read_config = hfc.HFConfigError, hfc.arch_values, hfc.read_config
 
     found = refs(pc)
     if not found:

@@ -19,6 +19,7 @@ from typing import Any
 
 from pipeline.config import PipelineConfig, from_dict, stage_hashes
 from pipeline.graph import upstream
+from pipeline.jobenv import free_port, requeue_self, restart_count  # noqa: F401  (free_port re-exported)
 from pipeline.ledger import (
     CANCELLED,
     COMPLETED,
@@ -44,13 +45,6 @@ def job_folder(run_dir: Path, stage: str) -> Path:
     return Path(run_dir) / "jobs" / stage
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now (for the local executor's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def snapshot_code(run_dir: Path) -> Path:
     """Copy the code into the run directory so queued jobs run it as it was when submitted."""
     dest = Path(run_dir) / "code" / time.strftime("%Y%m%d-%H%M%S")
@@ -60,6 +54,8 @@ def snapshot_code(run_dir: Path) -> Path:
         dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
     tmp = dest.with_name(dest.name + ".tmp")
     for d in CODE_DIRS:
+        if not (REPO_ROOT / d).is_dir():
+            continue  # an installed wheel: conf/ travels inside pipeline/
         shutil.copytree(REPO_ROOT / d, tmp / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     tmp.rename(dest)
     return dest
@@ -147,6 +143,10 @@ def mark_submitted(
 ) -> StageRecord:
     """Record a (re)submission: fresh status, hashes and plan; attempts carry over only for the same config."""
     hashes = stage_hashes(cfg)
+    if stage == "data_prep":  # keep the input digests for the job's ranks (size + mtime pre-check)
+        from pipeline.data_identity import fingerprints
+
+        fingerprints(cfg, save=True)
     prev = ledger.read(stage)
     return ledger.update(
         stage,
@@ -201,6 +201,11 @@ def run_stage(
         MASTER_PORT=str(port),
     )
     ledger = Ledger(Path(run_dir))
+    local_group = cfg.cluster.executor == "local" and world > 1
+    if local_group:
+        from stages.engine.signals import HANG_HOOKS
+
+        HANG_HOOKS.append(end_local_job)
     if rank == 0:
         _mark_started(ledger, stage, job_id, world)
     try:
@@ -208,9 +213,11 @@ def run_stage(
     except BaseException as e:
         if rank == 0:
             _record_failure(ledger, stage, cfg, e)
+        if local_group and not _is_preempted(e):
+            end_local_job()
         raise
     if rank == 0:
-        from pipeline.status import accounting
+        from pipeline.ledger import accounting
 
         extra = {
             **((ledger.read(stage) or StageRecord(stage)).extra),
@@ -221,15 +228,48 @@ def run_stage(
     return out
 
 
+def _is_preempted(e: BaseException) -> bool:
+    from stages.engine.signals import Preempted
+
+    return isinstance(e, Preempted)
+
+
+def end_local_job() -> None:
+    """Kill the other ranks of this local job (a hung or failed rank ends the whole job, as SLURM does).
+
+    submitit's local controller waits for every task: a frozen rank (SIGSTOP, a deadlock) would keep the
+    job, and the command following it, waiting forever. The siblings are the controller's other children
+    carrying this job's id (``SUBMITIT_LOCAL_JOB_ID``); SIGKILL also ends a stopped process.
+    """
+    import psutil
+
+    job = os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+    if not job:
+        return
+    try:
+        siblings = psutil.Process(os.getppid()).children()
+    except psutil.Error:
+        return
+    for proc in siblings:
+        try:
+            if proc.pid != os.getpid() and proc.environ().get("SUBMITIT_LOCAL_JOB_ID") == job:
+                print(f"[launcher] ending rank process {proc.pid} of local job {job}", flush=True)
+                proc.kill()
+        except psutil.Error:
+            continue
+
+
 def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> None:
     """Rank 0: the ledger says running; the event records the rendezvous and the code this job imports."""
     rec = ledger.read(stage)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    attempt = (rec.attempts if rec else 0) + 1
+    os.environ["PIPELINE_STAGE_ATTEMPT"] = str(attempt)  # the engine's resume record (trainer.ATTEMPT_ENV)
     ledger.update(
         stage,
         status=RUNNING,
         started_at=time.time(),
-        attempts=(rec.attempts if rec else 0) + 1,
+        attempts=attempt,
         requeues=restarts,
         host=socket.gethostname(),
         error=None,
@@ -248,7 +288,7 @@ def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> None:
 
 def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseException) -> None:
     """Ledger entry for a stage that did not complete: stopped on a signal, requeued, or failed."""
-    from stages.engine.signals import Preempted, requeue_self, restart_count
+    from stages.engine.signals import Preempted
 
     err = f"{type(e).__name__}: {e}"
     rec = ledger.read(stage)
@@ -278,6 +318,12 @@ def _call_stage(stage: str, cfg: PipelineConfig, run_dir: Path) -> dict[str, Any
         inputs={u: stage_out_dir(run_dir, u) for u in upstream(stage)},
         plan=stage_plan(cfg, stage),
     )
+    if stage == "data_prep":  # one prepared copy per data identity, shared under run.root
+        from pipeline.data_identity import link_shared_data, shared_data_prep
+
+        link_shared_data(cfg, ctx.out_dir, stage_hashes(cfg)["data_prep"])
+        module = importlib.import_module("stages.data_prep")
+        return shared_data_prep(cfg, ctx.out_dir, lambda: dict(module.main(cfg, ctx) or {}))
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     module = importlib.import_module(f"stages.{stage}")
     return dict(module.main(cfg, ctx) or {})

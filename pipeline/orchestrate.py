@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pipeline import progress
-from pipeline.config import PipelineConfig, run_hash, stage_hashes
+from pipeline.config import PipelineConfig, run_dir_for, stage_hashes
 from pipeline.graph import dependencies, order, required
 from pipeline.launch import free_port, make_executor, mark_submitted, run_stage, sbatch_script, stage_out_dir
 from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, STOPPED, Ledger, StageRecord
 from pipeline.plan import stage_plan
+from pipeline.slurm_submit import SubmitError
+
+__all__ = ["RunError", "SubmitError", "execute", "run_dir_for"]
 
 
 class RunError(RuntimeError):
@@ -32,11 +35,6 @@ class Decision:
     skip: list[str] = field(default_factory=list)
     active: list[str] = field(default_factory=list)
     submit: list[str] = field(default_factory=list)
-
-
-def run_dir_for(cfg: PipelineConfig) -> Path:
-    """Deterministic run directory: experiment name + hash of everything that changes results."""
-    return Path(cfg.run.root).resolve() / f"{cfg.run.name}-{run_hash(cfg)}"
 
 
 def decide(cfg: PipelineConfig, ledger: Ledger, alive: Any = None) -> Decision:
@@ -67,11 +65,17 @@ def decide(cfg: PipelineConfig, ledger: Ledger, alive: Any = None) -> Decision:
     return d
 
 
-def execute(cfg: PipelineConfig, *, out: TextIO = sys.stdout) -> int:
+def execute(cfg: PipelineConfig, *, out: TextIO | None = None) -> int:
     """Plan, submit and (for local/debug) follow one run. Returns a process exit code."""
+    out = out or sys.stdout
     run_dir = run_dir_for(cfg)
     if cfg.run.dry_run:
         return dry_run(cfg, run_dir, out)
+    if cfg.cluster.executor == "slurm":
+        from pipeline.slurm_submit import check_slurm
+
+        check_slurm()  # no sbatch, or the controller does not answer: stop before writing anything
+    fresh = not run_dir.exists()
     ledger = Ledger(run_dir)
     d = decide(cfg, ledger, alive=_job_alive)
     print(f"run directory: {run_dir}", file=out)
@@ -83,6 +87,13 @@ def execute(cfg: PipelineConfig, *, out: TextIO = sys.stdout) -> int:
             f"[{s}] already queued or running (job {', '.join(rec.job_ids) if rec else '?'}): nothing submitted",
             file=out,
         )
+    if d.active and cfg.cluster.executor != "slurm":
+        print(
+            f"nothing submitted: stage(s) {', '.join(d.active)} run in another local job that this command "
+            "does not follow; re-run this command once it has ended (python -m pipeline.status shows it)",
+            file=out,
+        )
+        return 4
     if not d.submit:
         print("nothing submitted: every selected stage is completed or already queued/running", file=out)
         ledger.event("nothing_to_do")
@@ -91,7 +102,19 @@ def execute(cfg: PipelineConfig, *, out: TextIO = sys.stdout) -> int:
     if cfg.cluster.executor == "slurm":
         from pipeline.slurm_submit import submit_graph
 
-        return submit_graph(cfg, run_dir, d.submit, out=out)
+        try:
+            return submit_graph(cfg, run_dir, d.submit, out=out)
+        except SubmitError as e:
+            if fresh and e.submitted == 0:  # SLURM took nothing: leave nothing behind
+                import shutil
+
+                shutil.rmtree(run_dir, ignore_errors=True)
+            else:
+                print(
+                    f"run directory: {run_dir} (python -m pipeline.status reads it; re-run to resubmit)",
+                    file=out,
+                )
+            raise
     for s in d.submit:
         _run_one_local(cfg, s, run_dir, ledger, out)
     return summarize(cfg, run_dir, out)
@@ -102,7 +125,9 @@ def _run_one_local(cfg: PipelineConfig, stage: str, run_dir: Path, ledger: Ledge
     port = free_port()
     mark_submitted(cfg, ledger, stage, cfg.cluster.executor)
     job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), port)
-    ledger.update(stage, job_ids=[str(job.job_id)], log=str(job.paths.stdout))
+    rec = ledger.read(stage)
+    extra = {**(rec.extra if rec else {}), "job_start": _process_start(str(job.job_id))}
+    ledger.update(stage, job_ids=[str(job.job_id)], log=str(job.paths.stdout), extra=extra)
     ledger.event("submitted", stage, job_id=str(job.job_id))
     follower = progress.Follower(stage, stage_out_dir(run_dir, stage) / "metrics.jsonl", out=out)
     try:
@@ -155,10 +180,27 @@ def _job_alive(rec: StageRecord) -> bool:
 
         return any(slurm_job_alive(j) for j in rec.job_ids)
     if rec.executor == "local":
-        import psutil
-
-        return any(j.isdigit() and psutil.pid_exists(int(j)) for j in rec.job_ids)
+        start = rec.extra.get("job_start") if rec.extra else None
+        return any(start is not None and _process_start(j) == start for j in rec.job_ids)
     return False
+
+
+def _process_start(pid: str) -> float | None:
+    """Start time of live process ``pid`` (the local job's controller); None if gone or a zombie.
+
+    A local job is alive while the process that was started for it runs: the PID alone is not enough
+    (a killed job stays a zombie for a while, and a PID can be reused), so its start time is recorded at
+    submission and compared.
+    """
+    import psutil
+
+    try:
+        proc = psutil.Process(int(pid))
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return float(proc.create_time())
+    except (ValueError, psutil.Error):
+        return None
 
 
 def dry_run(cfg: PipelineConfig, run_dir: Path, out: TextIO) -> int:
@@ -184,8 +226,25 @@ def summarize(cfg: PipelineConfig, run_dir: Path, out: TextIO) -> int:
         rec = ledger.read(s)
         status = rec.status if rec else "not run"
         print(f"  {s:<10} {status:<10} {stage_out_dir(run_dir, s)}", file=out)
+        if s == "data_prep" and rec and rec.status == COMPLETED:
+            print(data_counts_lines(rec.outputs), file=out, end="")
     bad = [s for s in cfg.run.stages if (r := ledger.read(s)) and r.status in (FAILED, CANCELLED)]
     return 1 if bad else 0
+
+
+def data_counts_lines(outputs: dict[str, Any]) -> str:
+    """data_prep's cleaning counts per source (corpus=sources), one line each, for the summary."""
+    lines = ""
+    for name, c in (outputs.get("sources") or {}).items():
+        dropped = ", ".join(
+            f"{k} {c[k]}" for k in ("duplicates", "malformed", "empty", "too_short", "too_long") if c.get(k)
+        )
+        lines += (
+            f"    {name}: {c.get('documents', 0) - c.get('duplicates', 0)} documents kept"
+            + (f" (dropped: {dropped})" if dropped else "")
+            + "\n"
+        )
+    return lines
 
 
 def _write_provenance(cfg: PipelineConfig, run_dir: Path) -> None:

@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.fsio import sha256_file  # noqa: F401  (re-exported for data_prep)
+
 SPECIAL_TOKENS: dict[str, str] = {
     "eod": "<|endoftext|>",
     "pad": "<|pad|>",
@@ -125,14 +127,6 @@ def read_manifest(data_dir: str | Path, verify: bool = True) -> dict[str, Any]:
             if not f.is_file() or f.stat().st_size != info["bytes"] or sha256_file(f) != info["sha256"]:
                 raise ValueError(f"{f}: missing or does not match its checksum in {path}")
     return manifest
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------- sources
