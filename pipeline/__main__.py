@@ -74,6 +74,7 @@ def _hydra_main(args: list[str]) -> int:
     import hydra
     from omegaconf import DictConfig
 
+    from pipeline import hf_model
     from pipeline.config import CONF_DIR, build_config, register_configs
     from pipeline.preflight import preflight
 
@@ -82,7 +83,7 @@ def _hydra_main(args: list[str]) -> int:
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def run(cfg: DictConfig) -> None:
         try:
-            pc = build_config(cfg)
+            pc = build_config(cfg, resolve=hf_model.apply)
             preflight(pc)
             codes.append(_execute(pc))
         except ConfigError as e:

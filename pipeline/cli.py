@@ -19,6 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from pipeline import hf_model
 from pipeline.config import CONF_DIR, ConfigError, PipelineConfig, build_config, compose, domain_of
 from pipeline.preflight import preflight
 
@@ -96,7 +97,7 @@ def load(overrides: list[str], *, inputs: bool = True) -> PipelineConfig:
     Every mistake raises ConfigError in the one shape, whatever caught it.
     """
     try:
-        pc = build_config(compose(overrides))
+        pc = build_config(compose(overrides), resolve=hf_model.apply)
         if inputs:
             preflight(pc)
         return pc

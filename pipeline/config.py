@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,9 +154,19 @@ class ModelConfig:
     rotary_base: int = num(10000, ge=2)
     """RoPE base (position_embedding=rope)."""
     rotary_scaling: bool = False
-    """Llama-3.1 RoPE frequency scaling."""
+    """Llama-3 RoPE frequency scaling (rope_type llama3), with the four rotary_* settings below."""
+    rotary_scaling_factor: float = num(8.0, ge=1)
+    """Llama-3 RoPE scaling factor (Llama 3.1: 8, Llama 3.2: 32)."""
+    rotary_low_freq_factor: float = num(1.0, gt=0)
+    """Llama-3 RoPE scaling: low-frequency factor."""
+    rotary_high_freq_factor: float = num(4.0, gt=0)
+    """Llama-3 RoPE scaling: high-frequency factor."""
+    rotary_original_max_positions: int = num(8192, ge=1)
+    """Llama-3 RoPE scaling: the context length the model was pretrained with."""
     add_bias_linear: bool = True
     """Biases in linear layers (Llama: false)."""
+    add_qkv_bias: bool = False
+    """Biases on the query/key/value projection even when add_bias_linear is false (Qwen2)."""
     tie_embeddings: bool = True
     """Share input embedding and output projection."""
     init_method_std: float = num(0.02, gt=0)
@@ -184,6 +195,14 @@ class ModelConfig:
                 "num_query_groups",
                 self.num_query_groups,
                 f"must divide num_attention_heads={self.num_attention_heads}",
+            )
+        if not self.rotary_scaling_factor >= 1:
+            _fail("rotary_scaling_factor", self.rotary_scaling_factor, "must be >= 1")
+        if not 0 < self.rotary_low_freq_factor < self.rotary_high_freq_factor:
+            _fail(
+                "rotary_low_freq_factor",
+                self.rotary_low_freq_factor,
+                f"must be > 0 and < rotary_high_freq_factor={self.rotary_high_freq_factor}",
             )
         if self.max_position_embeddings is not None and self.position_embedding == "learned_absolute":
             if self.max_position_embeddings < self.seq_length:
@@ -469,7 +488,7 @@ class TrainStage:
     seq_length: int | None = num(None, integer=True, ge=1)
     """Tokens per sequence in this stage's batches (None = model.seq_length); SFT/DPO examples are short."""
     init_from: str | None = "auto"
-    """Weights to start from (fresh optimizer): auto = the upstream stage's final checkpoint, a path, or null (random)."""
+    """Weights to start from (fresh optimizer): auto = the upstream stage's final checkpoint, a path, hf:<dir> (a Hugging Face model directory: architecture, weights and tokenizer from it), or null (random)."""
     iters: int = num(100, ge=1)
     """Optimizer steps."""
     lr: float = num(1e-3, gt=0)
@@ -546,7 +565,7 @@ class EvalStage:
     threads: int = num(2, ge=1)
     """torch.set_num_threads."""
     models: list[str] = field(default_factory=lambda: ["pretrain", "sft", "rlhf"])
-    """Which stages' final checkpoints to evaluate (those in the run)."""
+    """Which stages' final checkpoints to evaluate (those in the run), or hf:<dir> (a Hugging Face model directory)."""
     max_new_tokens: int = num(8, ge=1)
     """Greedy generation length for task answers."""
     num_task_examples: int = num(200, ge=1)
@@ -559,7 +578,8 @@ class EvalStage:
     def __post_init__(self) -> None:
         check_domains(self)
         for m in self.models:
-            _choice("models", m, TRAIN_STAGES)
+            if not m.startswith("hf:"):
+                _choice("models", m, TRAIN_STAGES)
 
 
 @dataclass
@@ -684,12 +704,16 @@ _DATACLASSES: dict[str, type] = {
 }
 
 
-def build_config(cfg: Any) -> PipelineConfig:
+def build_config(
+    cfg: Any, *, resolve: Callable[[PipelineConfig], PipelineConfig] | None = None
+) -> PipelineConfig:
     """Validate a composed Hydra config (DictConfig or dict) into a PipelineConfig, fully resolved.
 
-    Raises ConfigError naming the key. Cross-field checks (layouts against the model and cluster)
-    run here too; the commands add the pre-flight of inputs (``pipeline.cli.load``), so nothing is
-    submitted or written before the whole config is known good.
+    Raises ConfigError naming the key. ``resolve`` fills values from referenced files before the
+    cross-field checks (the commands pass ``pipeline.hf_model.apply``: ``hf:<dir>`` model references).
+    Cross-field checks (layouts against the model and cluster) run here too; the commands add the
+    pre-flight of inputs (``pipeline.cli.load``), so nothing is submitted or written before the whole
+    config is known good.
     """
     from omegaconf import DictConfig, OmegaConf
 
@@ -702,6 +726,8 @@ def build_config(cfg: Any) -> PipelineConfig:
         raise ConfigError(f"<root>={raw!r}: expected a mapping")
     data = {k: v for k, v in raw.items() if k != "hydra"}
     pc: PipelineConfig = _build(PipelineConfig, data, "")
+    if resolve is not None:
+        pc = resolve(pc)
     _check_cross(pc)
     return pc
 

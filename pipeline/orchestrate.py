@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 from pipeline import progress
 from pipeline.config import PipelineConfig, run_dir_for, stage_hashes
-from pipeline.graph import dependencies, order, upstream
+from pipeline.graph import dependencies, order, required
 from pipeline.launch import free_port, make_executor, mark_submitted, run_stage, sbatch_script, stage_out_dir
 from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, STOPPED, Ledger, StageRecord
 from pipeline.plan import stage_plan
@@ -53,7 +53,7 @@ def decide(cfg: PipelineConfig, ledger: Ledger, alive: Any = None) -> Decision:
         else:
             d.submit.append(s)
     for s in d.submit:
-        for u in upstream(s):
+        for u in required(s, cfg):
             if u in selected:
                 continue
             rec = ledger.read(u)

@@ -75,6 +75,13 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         results: dict[str, Any] = {}
         skipped: dict[str, str] = {}
         for stage in ev.models:
+            if stage.startswith("hf:"):  # a Hugging Face directory, scored as it is (e.g. the base model)
+                results[stage] = {
+                    "checkpoint": stage[3:],
+                    "iteration": None,
+                    **_eval_hf(chunks, stage, tok, sets, cfg),
+                }
+                continue
             if stage not in ctx.inputs:
                 skipped[stage] = "not in this run"
                 continue
@@ -118,6 +125,17 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         k: {m: v[m] for m in ("perplexity", "task_accuracy", "pref_accuracy")} for k, v in results.items()
     }
     return {"results": str(Path(ctx.out_dir) / RESULTS), "models": summary, "skipped": skipped}
+
+
+def _eval_hf(
+    chunks: list[Any], ref: str, tok: Any, sets: dict[str, Any], cfg: PipelineConfig
+) -> dict[str, Any]:
+    from pipeline.hf_arch import model_config, parse_ref
+    from stages.engine.convert.hf import load_hf
+
+    hf_dir = parse_ref(ref) or Path(ref)
+    load_hf(chunks, hf_dir, model_config(hf_dir))
+    return evaluate(chunks[0], tok, sets, cfg)
 
 
 # ---------------------------------------------------------------------------- data

@@ -53,6 +53,7 @@ def transformer_config(model: ModelConfig, par: ParallelConfig) -> Any:
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
         init_method_std=model.init_method_std,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
@@ -78,7 +79,7 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
 
     spec = get_gpt_layer_local_spec(normalization=model.normalization)
     _set_core_attention(spec, model.attention_backend)
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=vocab_size,
@@ -89,7 +90,27 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
         position_embedding_type=model.position_embedding,
         rotary_base=model.rotary_base,
         rope_scaling=model.rotary_scaling,
+        rope_scaling_factor=model.rotary_scaling_factor,
         vp_stage=vp_stage,
+    )
+    if model.rotary_scaling and model.position_embedding == "rope":
+        _llama3_rope(gpt.rotary_pos_emb, model)
+    return gpt
+
+
+def _llama3_rope(rotary: Any, model: ModelConfig) -> None:
+    """Llama-3 RoPE scaling with all four of the model's settings (megatron's constructor takes the factor only)."""
+    dim = rotary.inv_freq.numel() * 2
+    base = 1.0 / (
+        model.rotary_base
+        ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rotary.inv_freq.device) / dim)
+    )
+    rotary.inv_freq = rotary._apply_scaling(
+        base,
+        factor=model.rotary_scaling_factor,
+        low_freq_factor=model.rotary_low_freq_factor,
+        high_freq_factor=model.rotary_high_freq_factor,
+        original_max_position_embeddings=model.rotary_original_max_positions,
     )
 
 

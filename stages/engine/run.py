@@ -32,7 +32,9 @@ def resolve_init_from(cfg: PipelineConfig, ctx: StageContext) -> Path | None:
         if up not in ctx.inputs:
             raise ValueError(f"{key}=auto: upstream stage {up!r} has no output directory in this run")
         return ctx.inputs[up] / "checkpoints"
-    path = Path(value)
+    from pipeline.hf_arch import parse_ref
+
+    path = parse_ref(value) or Path(value)
     if not path.exists():
         raise ValueError(f"{key}={value!r}: no such checkpoint directory")
     return path

@@ -157,6 +157,14 @@ class Checkpointer:
 
         if self.init_from is None:
             return None
+        from pipeline.hf_arch import is_hf_dir
+
+        if is_hf_dir(self.init_from):  # a Hugging Face model directory (init_from=hf:<dir>)
+            from pipeline.hf_arch import model_config
+            from stages.engine.convert.hf import load_hf
+
+            load_hf(chunks, self.init_from, model_config(self.init_from))
+            return self.init_from
         path = (
             self.init_from
             if (self.init_from / checkpoint.MARKER).is_file()
