@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import ModelConfig, ParallelConfig
+from stages.engine import distributed as D
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,6 +40,7 @@ def transformer_config(model: ModelConfig, par: ParallelConfig) -> Any:
     elif par.recompute == "selective":
         recompute = {"recompute_granularity": "selective"}
     swiglu = model.activation == "swiglu"
+    on_gpu = D.device().type == "cuda"
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -63,8 +65,8 @@ def transformer_config(model: ModelConfig, par: ParallelConfig) -> Any:
         bf16=par.precision == "bf16",
         fp16=par.precision == "fp16",
         calculate_per_token_loss=True,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        batch_p2p_comm=torch.cuda.is_available(),  # gloo: the interleaved schedule learns only without it
+        use_cpu_initialization=not on_gpu,
+        batch_p2p_comm=on_gpu,  # gloo: the interleaved schedule learns only without it
         **recompute,
     )
 
@@ -110,8 +112,7 @@ def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> lis
     wrapped = []
     for i in range(chunks):
         module = _gpt(model, config, vocab, i if chunks > 1 else None)
-        if torch.cuda.is_available():
-            module.cuda(torch.cuda.current_device())
+        module.to(D.device())
         if par.precision != "fp32":
             module = Float16Module(config, module)
         ddp = DistributedDataParallel(config, ddp_config, module, disable_bucketing=i > 0)
