@@ -74,9 +74,8 @@ def transformer_config(model: ModelConfig, par: ParallelConfig) -> Any:
 def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None) -> Any:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization=model.normalization)
+    spec = layer_spec(model)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -90,6 +89,30 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
         rope_scaling=model.rotary_scaling,
         vp_stage=vp_stage,
     )
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine imports here (GPU clusters with TE; never on CPU or the lent H200)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a TE build that does not match this torch/CUDA
+        return False
+    return True
+
+
+def attention_impl() -> str:
+    """``te`` (Transformer Engine's layer spec: fused attention, TE norms, sequence parallel) where TE is
+    installed, else ``local`` (megatron's local spec with torch modules)."""
+    return "te" if transformer_engine_available() else "local"
+
+
+def layer_spec(model: ModelConfig) -> Any:
+    """The transformer layer spec of ``attention_impl()``; both save the same checkpoint keys."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if attention_impl() == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=model.normalization)
 
 
 def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> list[Any]:
