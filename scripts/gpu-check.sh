@@ -76,7 +76,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ---------------------------------------------------------------- 3. the gpu tests
 say "gpu tests (budget left $(left) s)"
-timeout "$(($(left) - 200))" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs -s --durations=0 \
+t=$(($(left) - 180))
+[ "$t" -lt 60 ] && t=60
+timeout "$t" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs -s --durations=0 \
   --junitxml="$OUT_DIR/gpu-tests.xml" tests/test_gpu.py tests/test_bench.py
 rc=$?
 [ "$rc" -eq 0 ] && say "gpu tests: passed" || { say "FAILED: gpu tests (exit $rc)"; failed=$((failed + 1)); }

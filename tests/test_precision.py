@@ -49,3 +49,47 @@ def test_fp16_skips_and_counts_overflows_lowers_the_scale_then_learns_like_fp32(
     for a, b in zip(good[:3], fp32):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
     assert good[-1]["loss"] < good[0]["loss"] - 0.5
+
+
+class _Optimizer:
+    """megatron's optimizer step as the trainer sees it: prepare_grads reports inf/NaN in the scaled grads."""
+
+    def __init__(self, found_inf: bool) -> None:
+        self.found_inf = found_inf
+
+    def prepare_grads(self) -> bool:
+        return self.found_inf
+
+    def get_grad_norm(self) -> float:
+        return 1.0
+
+    def step(self) -> tuple[bool, float | None, None]:
+        if self.prepare_grads():
+            return False, None, None
+        return True, self.get_grad_norm(), None
+
+
+@pytest.mark.parametrize(
+    ("found_inf", "loss", "overflows", "reason"),
+    [
+        (True, 2.0, 1, None),  # fp16 overflow with finite losses: skipped and counted, not a bad step
+        (True, float("nan"), 0, "nonfinite_loss"),  # a NaN loss stays a bad step: nan_policy applies
+        (False, 2.0, 0, None),  # a good step
+        (False, float("nan"), 0, "nonfinite_loss"),  # bf16/fp32: no scaler, the guard judges the loss
+    ],
+)
+def test_overflow_is_told_apart_from_a_bad_step(
+    found_inf: bool, loss: float, overflows: int, reason: str
+) -> None:
+    import torch
+
+    from stages.engine.bad_steps import BadStepGuard
+    from stages.engine.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)  # the step judgement only: no model, no process group
+    trainer.optimizer, trainer.guard, trainer.overflow_steps = _Optimizer(found_inf), BadStepGuard(), 0
+    ok, _ = trainer._judged_optimizer_step([{"loss": torch.tensor([loss, 1.0])}])
+    assert ok is (not found_inf and reason is None)
+    assert trainer.overflow_steps == overflows
+    assert (trainer.verdict or {}).get("reason") == reason
+    assert "prepare_grads" not in vars(trainer.optimizer), "the wrapper is removed after the step"
