@@ -1,37 +1,92 @@
-"""``python -m pipeline [overrides]``: compose, validate, plan, submit, report. Always exits with a code.
+"""``python -m pipeline [-m] [overrides]``: compose, validate, pre-flight, plan, submit, report.
 
-Hydra composes conf/ (schema in pipeline/config.py); ``-m`` sweeps run one pipeline per trial, each with
-its own deterministic run directory. Exit codes: 0 ok, 1 a stage failed, 2 configuration error.
+Every trial of a sweep (``-m``) is composed, validated and pre-flighted before the first one runs; each runs
+in its own deterministic run directory. Exit codes (``--help``, README): 0 ok, 1 a stage failed,
+2 configuration error (nothing written), 3 submission failed.
 """
 
 from __future__ import annotations
 
 import sys
 
-import hydra
-from omegaconf import DictConfig
-
-from pipeline.config import ConfigError, build_config, register_configs
-from pipeline.orchestrate import RunError, execute
-
-_exit_codes: list[int] = []  # one per trial: Hydra's decorator swallows return values
+from pipeline.cli import EXIT_FAILED, EXIT_SUBMIT, HYDRA_FLAGS, help_text, load_trials, report
+from pipeline.config import ConfigError
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base=None)
-def main(cfg: DictConfig) -> None:
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(help_text())
+        return 0
+    if any(a.split("=", 1)[0] in HYDRA_FLAGS for a in args):
+        return _hydra_main(args)
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    overrides = [a for a in args if a not in ("-m", "--multirun")]
+    flags = [a for a in overrides if a.startswith("-")]
+    if flags:
+        return report(ConfigError(f"{flags[0]}: unknown flag; see python -m pipeline --help"))
     try:
-        pc = build_config(cfg)
-        code = execute(pc)
+        runs = load_trials(overrides, multirun)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        code = 2
+        return report(e)
+    _configure_logging(runs[0][0])
+    codes = []
+    for i, (trial, cfg) in enumerate(runs):
+        if multirun:
+            print(f"[sweep] trial {i} of {len(runs)}: {' '.join(trial)}", flush=True)
+        codes.append(_execute(cfg))
+    return max(codes, default=0)
+
+
+def _execute(cfg: object) -> int:
+    from pipeline.orchestrate import RunError, SubmitError, execute
+
+    try:
+        return execute(cfg)  # type: ignore[arg-type]
+    except ConfigError as e:
+        return report(e)
+    except SubmitError as e:
+        print(f"submission failed: {e}", file=sys.stderr)
+        return EXIT_SUBMIT
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
-        code = 1
-    _exit_codes.append(code)
+        return EXIT_FAILED
+
+
+def _configure_logging(overrides: list[str]) -> None:
+    """Python logging as Hydra's job_logging config says (conf/config.yaml: stdout)."""
+    from hydra.core.utils import configure_log
+
+    from pipeline.config import compose
+
+    cfg = compose(overrides, return_hydra_config=True)
+    configure_log(cfg.hydra.job_logging, cfg.hydra.verbose)
+
+
+def _hydra_main(args: list[str]) -> int:
+    """Hydra's own flags (--cfg job, --info, --shell-completion, ...): Hydra's entry point, unchanged."""
+    import hydra
+    from omegaconf import DictConfig
+
+    from pipeline.config import CONF_DIR, build_config, register_configs
+    from pipeline.preflight import preflight
+
+    codes: list[int] = []
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
+    def run(cfg: DictConfig) -> None:
+        try:
+            pc = build_config(cfg)
+            preflight(pc)
+            codes.append(_execute(pc))
+        except ConfigError as e:
+            codes.append(report(e))
+
+    register_configs()
+    sys.argv = [sys.argv[0], *args]
+    run()
+    return max(codes, default=0)
 
 
 if __name__ == "__main__":
-    register_configs()
-    main()
-    sys.exit(max(_exit_codes, default=0))
+    sys.exit(main())

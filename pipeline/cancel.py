@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", type=Path, help="a run directory (runs/<name>-<hash>)")
     a = p.parse_args(argv)
     if not (a.run_dir / "ledger").is_dir():
-        print(f"error: {a.run_dir} is not a run directory (no ledger/ inside)", file=sys.stderr)
-        return 2
+        from pipeline.cli import not_a_run_dir
+
+        return not_a_run_dir(a.run_dir)
     done = cancel_run(a.run_dir)
     print(f"cancelled: {', '.join(done)}" if done else "nothing to cancel")
     return 0

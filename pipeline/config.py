@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,14 +36,87 @@ def _choice(key: str, value: Any, choices: tuple[Any, ...] | list[Any]) -> None:
     _fail(key, value, f"must be one of {list(choices)}{hint}")
 
 
-def _positive(key: str, value: Any, allow_zero: bool = False) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
-        _fail(key, value, "must be an integer >= " + ("0" if allow_zero else "1"))
+@dataclass(frozen=True)
+class Domain:
+    """The values a numeric key accepts: its kind (integer or finite number) and bounds; None = allowed.
+
+    Declared in the schema with ``num(default, ...)``; checked for every numeric field by ``check_domains``
+    (a test asserts that every numeric field of every dataclass has one).
+    """
+
+    integer: bool
+    """Integers only (else any finite number; NaN and infinities are never allowed)."""
+    ge: float | None = None
+    """Lower bound, inclusive."""
+    gt: float | None = None
+    """Lower bound, exclusive."""
+    le: float | None = None
+    """Upper bound, inclusive."""
+    lt: float | None = None
+    """Upper bound, exclusive."""
+    or_zero: bool = False
+    """0 is also allowed (it means 'off')."""
+
+    def describe(self) -> str:
+        bounds = [
+            f"{op} {_fmt(v)}"
+            for op, v in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+            if v is not None
+        ]
+        kind = "an integer" if self.integer else "a finite number"
+        text = f"{kind} {' and '.join(bounds)}" if bounds else kind
+        return f"0 (off) or {text}" if self.or_zero else text
+
+    def ok(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if self.integer and not isinstance(value, int):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.or_zero and value == 0:
+            return True
+        return not (
+            (self.ge is not None and value < self.ge)
+            or (self.gt is not None and value <= self.gt)
+            or (self.le is not None and value > self.le)
+            or (self.lt is not None and value >= self.lt)
+        )
 
 
-def _range(key: str, value: float, lo: float, hi: float) -> None:
-    if not (lo <= value <= hi):
-        _fail(key, value, f"must be in [{lo}, {hi}]")
+def _fmt(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else repr(v)
+
+
+def num(
+    default: Any,
+    *,
+    integer: bool | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    or_zero: bool = False,
+) -> Any:
+    """A numeric schema field with its domain (None stays allowed for ``X | None`` fields)."""
+    kind = isinstance(default, int) if integer is None else integer
+    dom = Domain(kind, ge=ge, gt=gt, le=le, lt=lt, or_zero=or_zero)
+    return field(default=default, metadata={"domain": dom})
+
+
+def domain_of(f: dataclasses.Field) -> Domain | None:
+    return f.metadata.get("domain") if f.metadata else None
+
+
+def check_domains(obj: Any) -> None:
+    """Every numeric field of dataclass ``obj`` against its declared domain (None passes: 'not set')."""
+    for f in dataclasses.fields(obj):
+        dom = domain_of(f)
+        value = getattr(obj, f.name)
+        if dom is None or value is None:
+            continue
+        if not dom.ok(value):
+            _fail(f.name, value, f"must be {dom.describe()}")
 
 
 @dataclass
@@ -51,35 +125,35 @@ class ModelConfig:
 
     name: str = "tiny-gpt"
     """Label for reports."""
-    num_layers: int = 4
+    num_layers: int = num(4, ge=1)
     """Transformer layers; divisible by pipeline parallel size x virtual stages."""
-    hidden_size: int = 128
+    hidden_size: int = num(128, ge=1)
     """Model width."""
-    num_attention_heads: int = 4
+    num_attention_heads: int = num(4, ge=1)
     """Attention heads; divisible by tensor parallel size."""
-    num_query_groups: int | None = None
+    num_query_groups: int | None = num(None, integer=True, ge=1)
     """Grouped-query attention: key/value heads (None = num_attention_heads, i.e. multi-head)."""
-    ffn_hidden_size: int | None = None
+    ffn_hidden_size: int | None = num(None, integer=True, ge=1)
     """MLP width (None = 4 x hidden_size)."""
-    kv_channels: int | None = None
+    kv_channels: int | None = num(None, integer=True, ge=1)
     """Per-head width (None = hidden_size / num_attention_heads)."""
-    seq_length: int = 128
+    seq_length: int = num(128, ge=1)
     """Training sequence length in tokens."""
-    max_position_embeddings: int | None = None
+    max_position_embeddings: int | None = num(None, integer=True, ge=1)
     """Learned position table size (None = seq_length)."""
-    vocab_size: int | None = None
+    vocab_size: int | None = num(None, integer=True, ge=1)
     """Vocabulary size (None = the tokenizer's, padded to make_vocab_size_divisible_by x tp)."""
-    make_vocab_size_divisible_by: int = 64
+    make_vocab_size_divisible_by: int = num(64, ge=1)
     """Padding multiple of the embedding table."""
     normalization: str = "LayerNorm"
     """LayerNorm or RMSNorm."""
-    norm_epsilon: float = 1e-5
+    norm_epsilon: float = num(1e-5, gt=0, lt=1)
     """Epsilon of the norms."""
     activation: str = "gelu"
     """MLP activation: gelu or swiglu (gated)."""
     position_embedding: str = "learned_absolute"
     """learned_absolute or rope."""
-    rotary_base: int = 10000
+    rotary_base: int = num(10000, ge=2)
     """RoPE base (position_embedding=rope)."""
     rotary_scaling: bool = False
     """Llama-3.1 RoPE frequency scaling."""
@@ -87,31 +161,15 @@ class ModelConfig:
     """Biases in linear layers (Llama: false)."""
     tie_embeddings: bool = True
     """Share input embedding and output projection."""
-    init_method_std: float = 0.02
+    init_method_std: float = num(0.02, gt=0)
     """Std of the normal weight init."""
-    hidden_dropout: float = 0.0
+    hidden_dropout: float = num(0.0, ge=0, lt=1)
     """Dropout after attention/MLP."""
-    attention_dropout: float = 0.0
+    attention_dropout: float = num(0.0, ge=0, lt=1)
     """Dropout of attention probabilities."""
 
     def __post_init__(self) -> None:
-        for k in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "seq_length",
-            "make_vocab_size_divisible_by",
-        ):
-            _positive(k, getattr(self, k))
-        for k in (
-            "num_query_groups",
-            "ffn_hidden_size",
-            "kv_channels",
-            "max_position_embeddings",
-            "vocab_size",
-        ):
-            if getattr(self, k) is not None:
-                _positive(k, getattr(self, k))
+        check_domains(self)
         _choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _choice("activation", self.activation, ("gelu", "swiglu"))
         _choice("position_embedding", self.position_embedding, ("learned_absolute", "rope"))
@@ -127,27 +185,32 @@ class ModelConfig:
                 self.num_query_groups,
                 f"must divide num_attention_heads={self.num_attention_heads}",
             )
-        _range("hidden_dropout", self.hidden_dropout, 0.0, 1.0)
-        _range("attention_dropout", self.attention_dropout, 0.0, 1.0)
+        if self.max_position_embeddings is not None and self.position_embedding == "learned_absolute":
+            if self.max_position_embeddings < self.seq_length:
+                _fail(
+                    "max_position_embeddings",
+                    self.max_position_embeddings,
+                    f"must be >= seq_length={self.seq_length} (learned position table)",
+                )
 
 
 @dataclass
 class ParallelConfig:
     """One stage's parallel layout. The user gives tp, pp and dp or nodes; the rest is derived (pipeline.plan)."""
 
-    tp: int = 1
+    tp: int = num(1, ge=1)
     """Tensor parallel size."""
-    pp: int = 1
+    pp: int = num(1, ge=1)
     """Pipeline parallel size."""
-    vpp: int | None = None
+    vpp: int | None = num(None, integer=True, ge=1)
     """Virtual pipeline stages per pipeline rank (interleaved 1F1B); None = plain 1F1B."""
-    dp: int | None = None
+    dp: int | None = num(None, integer=True, ge=1)
     """Data parallel size (None = derived from nodes, or 1)."""
-    nodes: int | None = None
+    nodes: int | None = num(None, integer=True, ge=1)
     """Nodes for this stage (None = the fewest that hold tp x pp x dp ranks)."""
-    micro_batch_size: int = 4
+    micro_batch_size: int = num(4, ge=1)
     """Sequences per micro batch per rank."""
-    global_batch_size: int = 16
+    global_batch_size: int = num(16, ge=1)
     """Sequences per optimizer step over all data-parallel ranks."""
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (megatron DistributedOptimizer)."""
@@ -161,13 +224,7 @@ class ParallelConfig:
     """Sequence parallel (needs the Transformer Engine layer spec: GPU only)."""
 
     def __post_init__(self) -> None:
-        _positive("tp", self.tp)
-        _positive("pp", self.pp)
-        for k in ("vpp", "dp", "nodes"):
-            if getattr(self, k) is not None:
-                _positive(k, getattr(self, k))
-        _positive("micro_batch_size", self.micro_batch_size)
-        _positive("global_batch_size", self.global_batch_size)
+        check_domains(self)
         _choice("recompute", self.recompute, ("none", "selective", "full"))
         _choice("precision", self.precision, ("fp32", "bf16", "fp16"))
         if self.vpp is not None and self.vpp > 1 and self.pp < 2:
@@ -190,17 +247,17 @@ class ClusterConfig:
     """SLURM node feature constraint."""
     exclusive: bool = False
     """Request whole nodes."""
-    time_min: int = 60
+    time_min: int = num(60, ge=1)
     """Default job time limit in minutes (a stage may override)."""
-    gpus_per_node: int = 0
+    gpus_per_node: int = num(0, ge=0)
     """GPUs per node (0: CPU ranks, gloo backend)."""
-    ranks_per_node: int = 2
+    ranks_per_node: int = num(2, ge=1)
     """Most ranks a node runs when gpus_per_node=0 (with GPUs: one rank per GPU)."""
-    cpus_per_node: int = 2
+    cpus_per_node: int = num(2, ge=1)
     """CPU cores per node; cpus per task are derived from it."""
-    mem_gb: int | None = None
+    mem_gb: int | None = num(None, integer=True, ge=1)
     """Memory per node to request (None: the cluster's default)."""
-    max_nodes: int | None = None
+    max_nodes: int | None = num(None, integer=True, ge=1)
     """Nodes available to one job (None: unlimited)."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run before each job (module load, environment activation)."""
@@ -208,18 +265,14 @@ class ClusterConfig:
     """Container image for srun (pyxis --container-image)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment for every job (NCCL_IB_HCA, NCCL_SOCKET_IFNAME, NCCL_IB_GID_INDEX, ...)."""
-    signal_delay_s: int = 120
+    signal_delay_s: int = num(120, ge=1, le=65535)
     """Seconds before the time limit at which SLURM warns the job (SIGUSR1)."""
-    max_requeues: int = 3
+    max_requeues: int = num(3, ge=0)
     """Times a crashed or hung job asks SLURM to requeue itself."""
 
     def __post_init__(self) -> None:
+        check_domains(self)
         _choice("executor", self.executor, ("local", "debug", "slurm"))
-        _positive("time_min", self.time_min)
-        _positive("gpus_per_node", self.gpus_per_node, allow_zero=True)
-        _positive("ranks_per_node", self.ranks_per_node)
-        _positive("cpus_per_node", self.cpus_per_node)
-        _positive("max_requeues", self.max_requeues, allow_zero=True)
         for k in self.env:
             if not k.replace("_", "").isalnum() or k[0].isdigit():
                 _fail(f"env.{k}", self.env[k], "environment variable names are letters, digits and _")
@@ -235,42 +288,53 @@ class DataConfig:
     """Text (.txt/.md) or JSON-lines (.jsonl) files or globs, for corpus=files."""
     jsonl_text_key: str = "text"
     """Field holding the document in JSON-lines input."""
-    max_corpus_mb: float | None = None
+    max_corpus_mb: float | None = num(None, integer=False, gt=0)
     """Use at most this many MB of the corpus (None: all of it)."""
     tokenizer_path: str | None = None
     """A tokenizer.json to use instead of training one."""
-    vocab_size: int = 4096
+    vocab_size: int = num(4096, ge=272)
     """BPE vocabulary size when training the tokenizer."""
-    valid_fraction: float = 0.02
+    valid_fraction: float = num(0.02, ge=0, le=0.5)
     """Fraction of documents held out for validation perplexity."""
     task: str = "counting"
     """Program-checkable task for SFT, DPO and accuracy: counting ("What comes after 47?" -> "48") or
     arithmetic ("What is 23 + 45?"; harder: a ~1M-parameter model does not learn it in the default budget)."""
-    task_mix_fraction: float = 0.05
+    task_mix_fraction: float = num(0.05, ge=0, le=0.99)
     """Share of pretraining documents that are task examples written as plain text."""
-    num_sft_examples: int = 4000
+    num_sft_examples: int = num(4000, ge=1)
     """SFT (prompt, response) examples."""
-    num_pref_pairs: int = 2000
+    num_pref_pairs: int = num(2000, ge=1)
     """DPO (prompt, chosen, rejected) pairs."""
-    num_eval_examples: int = 200
+    num_eval_examples: int = num(200, ge=1)
     """Held-out task and preference examples for eval."""
-    max_operand: int = 999
+    max_operand: int = num(999, ge=1)
     """Largest number in task prompts."""
-    seed: int = 1234
+    seed: int = num(1234, ge=0, le=2**31 - 1)
     """Seed for splits and generated data."""
 
     def __post_init__(self) -> None:
+        check_domains(self)
         _choice("corpus", self.corpus, ("shakespeare", "files"))
         _choice("task", self.task, ("arithmetic", "counting"))
         if self.corpus == "files" and not self.text_paths:
             _fail("text_paths", self.text_paths, "corpus=files needs at least one file or glob")
-        _positive("vocab_size", self.vocab_size)
-        if self.vocab_size < 256 + 16:
-            _fail("vocab_size", self.vocab_size, "must be >= 272 (256 bytes + special tokens)")
-        _range("valid_fraction", self.valid_fraction, 0.0, 0.5)
-        _range("task_mix_fraction", self.task_mix_fraction, 0.0, 1.0)
-        for k in ("num_sft_examples", "num_pref_pairs", "num_eval_examples", "max_operand"):
-            _positive(k, getattr(self, k))
+        if not self.jsonl_text_key:
+            _fail("jsonl_text_key", self.jsonl_text_key, "must be a non-empty field name")
+        held_out = task_prompts(self.task, self.max_operand) // 4  # stages.tasks holds out at most a quarter
+        if self.num_eval_examples > held_out:
+            _fail(
+                "num_eval_examples",
+                self.num_eval_examples,
+                f"must be <= {held_out}: task={self.task} with max_operand={self.max_operand} has "
+                f"{task_prompts(self.task, self.max_operand)} distinct prompts and a quarter at most is held out; "
+                "raise max_operand or lower num_eval_examples",
+            )
+
+
+def task_prompts(task: str, max_operand: int) -> int:
+    """Distinct prompts of a task (stages.tasks.space_size; a test keeps them equal)."""
+    n = max_operand + 1
+    return n if task == "counting" else n * n + n * (n + 1) // 2
 
 
 @dataclass
@@ -279,10 +343,13 @@ class DataPrepStage:
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Unused except dp = number of MPI ranks that tokenize."""
-    time_min: int | None = None
+    time_min: int | None = num(None, integer=True, ge=1)
     """Job time limit (None: cluster.time_min)."""
-    threads: int = 2
+    threads: int = num(2, ge=1)
     """Torch/tokenizer threads per rank."""
+
+    def __post_init__(self) -> None:
+        check_domains(self)
 
 
 @dataclass
@@ -291,84 +358,67 @@ class TrainStage:
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout and batch sizes."""
-    time_min: int | None = None
+    time_min: int | None = num(None, integer=True, ge=1)
     """Job time limit (None: cluster.time_min)."""
-    threads: int = 2
+    threads: int = num(2, ge=1)
     """torch.set_num_threads per rank."""
-    seq_length: int | None = None
+    seq_length: int | None = num(None, integer=True, ge=1)
     """Tokens per sequence in this stage's batches (None = model.seq_length); SFT/DPO examples are short."""
     init_from: str | None = "auto"
     """Weights to start from (fresh optimizer): auto = the upstream stage's final checkpoint, a path, or null (random)."""
-    iters: int = 100
+    iters: int = num(100, ge=1)
     """Optimizer steps."""
-    lr: float = 1e-3
+    lr: float = num(1e-3, gt=0)
     """Peak learning rate."""
-    min_lr: float = 1e-4
+    min_lr: float = num(1e-4, ge=0)
     """Learning rate at the end of the cosine decay."""
-    warmup_iters: int = 10
+    warmup_iters: int = num(10, ge=0)
     """Linear warmup steps."""
-    weight_decay: float = 0.01
+    weight_decay: float = num(0.01, ge=0)
     """AdamW weight decay."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = num(0.9, ge=0, lt=1)
     """AdamW beta1."""
-    adam_beta2: float = 0.95
+    adam_beta2: float = num(0.95, ge=0, lt=1)
     """AdamW beta2."""
-    clip_grad: float = 1.0
+    clip_grad: float = num(1.0, ge=0)
     """Gradient norm clip (0: off)."""
-    seed: int = 1234
+    seed: int = num(1234, ge=0, le=2**31 - 1)
     """Seed for init, dropout and data order."""
-    log_interval: int = 10
+    log_interval: int = num(10, ge=1)
     """Steps between metrics lines."""
-    eval_interval: int = 0
+    eval_interval: int = num(0, ge=0)
     """Steps between validation losses (0: only at the end)."""
-    eval_iters: int = 4
+    eval_iters: int = num(4, ge=1)
     """Validation batches per evaluation."""
-    save_interval: int = 50
+    save_interval: int = num(50, ge=1)
     """Steps between checkpoints (the final step is always saved)."""
-    keep_last: int = 2
+    keep_last: int = num(2, ge=1)
     """Checkpoints kept besides the final one."""
-    hang_timeout_s: int = 900
+    hang_timeout_s: int = num(900, ge=0)
     """Watchdog: a rank without progress this long dumps its stacks and exits (code 86); 0 = off."""
     nan_policy: str = "skip"
     """A bad step (NaN/Inf loss or grad norm, or a grad_spike_factor spike): skip = no update for that batch; rollback = reload the last checkpoint and skip the batch; stop = fail naming the step."""
-    grad_spike_factor: float = 0.0
+    grad_spike_factor: float = num(0.0, gt=1, or_zero=True)
     """A step whose grad norm exceeds this x the median of the last 20 good steps (after 5) is bad; 0 = off."""
-    max_bad_steps: int = 10
+    max_bad_steps: int = num(10, ge=1)
     """Bad steps in a row that stop the run (any nan_policy)."""
     async_save: bool = False
     """Write periodic checkpoints in a background process (the final and stop-request saves stay synchronous)."""
-    beta: float = 0.1
+    beta: float = num(0.1, gt=0)
     """DPO: strength of the KL anchor to the reference model (rlhf only)."""
     algorithm: str = "dpo"
     """rlhf algorithm: dpo (others plug in here later)."""
 
     def __post_init__(self) -> None:
-        _positive("iters", self.iters)
-        if self.seq_length is not None:
-            _positive("seq_length", self.seq_length)
-        _positive("threads", self.threads)
-        _positive("log_interval", self.log_interval)
-        _positive("eval_interval", self.eval_interval, allow_zero=True)
-        _positive("save_interval", self.save_interval)
-        _positive("keep_last", self.keep_last)
-        _positive("hang_timeout_s", self.hang_timeout_s, allow_zero=True)
-        _positive("warmup_iters", self.warmup_iters, allow_zero=True)
+        check_domains(self)
         _choice("nan_policy", self.nan_policy, ("skip", "rollback", "stop"))
-        if self.grad_spike_factor != 0 and not self.grad_spike_factor > 1:
-            _fail("grad_spike_factor", self.grad_spike_factor, "must be 0 (off) or > 1")
-        _positive("max_bad_steps", self.max_bad_steps)
-        if self.warmup_iters > self.iters:
-            _fail("warmup_iters", self.warmup_iters, f"must be <= iters={self.iters}")
-        if not self.lr > 0:
-            _fail("lr", self.lr, "must be > 0")
-        if not 0 <= self.min_lr <= self.lr:
-            _fail("min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
-        _range("adam_beta1", self.adam_beta1, 0.0, 0.99999)
-        _range("adam_beta2", self.adam_beta2, 0.0, 0.99999)
-        if self.clip_grad < 0:
-            _fail("clip_grad", self.clip_grad, "must be >= 0")
-        if self.beta <= 0:
-            _fail("beta", self.beta, "must be > 0")
+        if self.warmup_iters >= self.iters:
+            # megatron's scheduler asserts warmup < decay steps inside the job
+            _fail("warmup_iters", self.warmup_iters, f"must be < iters={self.iters}")
+        if self.min_lr > self.lr:
+            _fail("min_lr", self.min_lr, f"must be <= lr={self.lr}")
+        if self.init_from is not None and not str(self.init_from).strip():
+            _fail("init_from", self.init_from, "auto, a checkpoint path, or null (random init)")
         _choice("algorithm", self.algorithm, ("dpo",))
 
 
@@ -378,49 +428,43 @@ class EvalStage:
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Layout (eval runs on one rank)."""
-    time_min: int | None = None
+    time_min: int | None = num(None, integer=True, ge=1)
     """Job time limit (None: cluster.time_min)."""
-    threads: int = 2
+    threads: int = num(2, ge=1)
     """torch.set_num_threads."""
     models: list[str] = field(default_factory=lambda: ["pretrain", "sft", "rlhf"])
     """Which stages' final checkpoints to evaluate (those in the run)."""
-    max_new_tokens: int = 8
+    max_new_tokens: int = num(8, ge=1)
     """Greedy generation length for task answers."""
-    num_task_examples: int = 200
+    num_task_examples: int = num(200, ge=1)
     """Held-out task examples scored (at most data.num_eval_examples)."""
-    perplexity_batches: int = 8
+    perplexity_batches: int = num(8, ge=1)
     """Validation batches for perplexity."""
-    batch_size: int = 16
+    batch_size: int = num(16, ge=1)
     """Sequences per forward pass."""
 
     def __post_init__(self) -> None:
+        check_domains(self)
         for m in self.models:
             _choice("models", m, TRAIN_STAGES)
-        for k in ("max_new_tokens", "num_task_examples", "perplexity_batches", "batch_size"):
-            _positive(k, getattr(self, k))
 
 
 @dataclass
 class PlannerConfig:
     """Assumptions of the resource planner (``python -m pipeline.plan``): one GPU's peak and memory, the efficiency."""
 
-    gpu_peak_tflops: float = 989.0
+    gpu_peak_tflops: float = num(989.0, gt=0)
     """Dense peak TFLOP/s of one GPU in the training precision (H100 SXM bf16: 989)."""
-    mfu: float = 0.4
+    mfu: float = num(0.4, gt=0, le=1)
     """Model FLOPs utilization assumed for step-time predictions, in (0, 1]."""
-    gpu_memory_gb: float = 80.0
+    gpu_memory_gb: float = num(80.0, gt=0)
     """Memory of one GPU in GiB, as nvidia-smi reports it (H100: 80)."""
-    reserve_gb: float = 4.0
+    reserve_gb: float = num(4.0, ge=0)
     """GiB per GPU held back for the CUDA context, NCCL buffers and allocator fragmentation."""
 
     def __post_init__(self) -> None:
-        if not self.gpu_peak_tflops > 0:
-            _fail("gpu_peak_tflops", self.gpu_peak_tflops, "must be > 0")
-        if not 0 < self.mfu <= 1:
-            _fail("mfu", self.mfu, "must be in (0, 1]")
-        if not self.gpu_memory_gb > 0:
-            _fail("gpu_memory_gb", self.gpu_memory_gb, "must be > 0")
-        if not 0 <= self.reserve_gb < self.gpu_memory_gb:
+        check_domains(self)
+        if not self.reserve_gb < self.gpu_memory_gb:
             _fail("reserve_gb", self.reserve_gb, f"must be in [0, gpu_memory_gb={self.gpu_memory_gb})")
 
 
@@ -484,7 +528,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
         k = unknown[0]
         close = difflib.get_close_matches(k, list(fields), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{_join(path, k)}: unknown key{hint}; valid keys: {sorted(fields)}")
+        raise ConfigError(f"{_join(path, k)}={data[k]!r}: unknown key{hint}; valid keys: {sorted(fields)}")
     kwargs = {}
     for name, value in data.items():
         ftype = fields[name].type
@@ -523,11 +567,16 @@ def build_config(cfg: Any) -> PipelineConfig:
     """Validate a composed Hydra config (DictConfig or dict) into a PipelineConfig, fully resolved.
 
     Raises ConfigError naming the key. Cross-field checks (layouts against the model and cluster)
-    run here too, so nothing is submitted or written before the whole config is known good.
+    run here too; the commands add the pre-flight of inputs (``pipeline.cli.load``), so nothing is
+    submitted or written before the whole config is known good.
     """
     from omegaconf import DictConfig, OmegaConf
 
-    raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    raw = (
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        if isinstance(cfg, DictConfig)
+        else cfg
+    )
     if not isinstance(raw, dict):
         raise ConfigError(f"<root>={raw!r}: expected a mapping")
     data = {k: v for k, v in raw.items() if k != "hydra"}
@@ -537,10 +586,92 @@ def build_config(cfg: Any) -> PipelineConfig:
 
 
 def _check_cross(pc: PipelineConfig) -> None:
+    """Relations between keys of different sections, and keys a stage would silently ignore."""
     from pipeline.plan import check_layout  # local: plan imports this module
 
     for name in pc.run.stages:
         check_layout(pc, name)
+    _check_ignored(pc)
+    c = pc.cluster
+    if c.executor == "slurm":
+        for name in pc.run.stages:
+            limit = pc.stage(name).time_min or c.time_min
+            if c.signal_delay_s >= limit * 60:
+                key = f"{name}.time_min" if pc.stage(name).time_min else "cluster.time_min"
+                _fail(
+                    "cluster.signal_delay_s",
+                    c.signal_delay_s,
+                    f"the warning signal must come before the time limit ({key}={limit} min = {limit * 60} s)",
+                )
+    if pc.eval.num_task_examples > pc.data.num_eval_examples:
+        _fail(
+            "eval.num_task_examples",
+            pc.eval.num_task_examples,
+            f"must be <= data.num_eval_examples={pc.data.num_eval_examples} (the held-out set data prep writes)",
+        )
+    if pc.model.vocab_size is not None and pc.data.tokenizer_path is None:
+        if pc.model.vocab_size < pc.data.vocab_size:
+            _fail(
+                "model.vocab_size",
+                pc.model.vocab_size,
+                f"must be >= data.vocab_size={pc.data.vocab_size} (the tokenizer data prep trains)",
+            )
+
+
+# Keys of a shared stage schema that only some stages read: set elsewhere they would be silently ignored.
+_RLHF_ONLY = ("beta", "algorithm")
+_SLURM_ONLY = (
+    "partition",
+    "account",
+    "qos",
+    "constraint",
+    "exclusive",
+    "setup",
+    "container_image",
+    "env",
+    "signal_delay_s",
+)
+_PARALLEL_USED = {
+    "data_prep": ("tp", "pp", "dp", "nodes"),
+    "eval": ("tp", "pp", "dp", "nodes", "precision"),
+}
+
+
+def _check_ignored(pc: PipelineConfig) -> None:
+    """A per-stage value either applies or is rejected: non-default values of keys a stage does not read."""
+    train_default = TrainStage()
+    for name in ("pretrain", "sft"):
+        for k in _RLHF_ONLY:
+            value = getattr(getattr(pc, name), k)
+            if value != getattr(train_default, k):
+                _fail(f"{name}.{k}", value, f"only rlhf reads it (set rlhf.{k}); leave it at its default")
+    cluster_default, c = ClusterConfig(), pc.cluster
+    if c.executor != "slurm":
+        for k in _SLURM_ONLY:
+            if getattr(c, k) != getattr(cluster_default, k):
+                _fail(
+                    f"cluster.{k}",
+                    getattr(c, k),
+                    f"only cluster.executor=slurm reads it (executor is {c.executor}); use a SLURM profile "
+                    "(cluster=slurm) or leave it at its default",
+                )
+    if c.gpus_per_node > 0 and c.ranks_per_node != cluster_default.ranks_per_node:
+        _fail(
+            "cluster.ranks_per_node",
+            c.ranks_per_node,
+            f"with GPUs a node runs one rank per GPU (cluster.gpus_per_node={c.gpus_per_node}); leave it at its default",
+        )
+    par_default = ParallelConfig()
+    for name, used in _PARALLEL_USED.items():
+        par = pc.stage(name).parallel
+        for f in dataclasses.fields(ParallelConfig):
+            value = getattr(par, f.name)
+            if f.name not in used and value != getattr(par_default, f.name):
+                _fail(
+                    f"{name}.parallel.{f.name}",
+                    value,
+                    f"{name} does not read it (it reads {', '.join(used)}); leave it at its default",
+                )
 
 
 def from_dict(data: dict[str, Any]) -> PipelineConfig:
@@ -550,21 +681,31 @@ def from_dict(data: dict[str, Any]) -> PipelineConfig:
 
 # ---------------------------------------------------------------------------- hashes
 
-# Keys that do not change what a stage computes: where and how it runs, not what it learns.
-_RESOURCE_KEYS = {
-    "time_min",
-    "threads",
-    "parallel",
-    "hang_timeout_s",
-    "log_interval",
-    "save_interval",
-    "keep_last",
-    "nan_policy",
-    "grad_spike_factor",
-    "max_bad_steps",
-    "async_save",
+# Run identity. Every key changes a stage's hash unless it is listed here with the reason it cannot change
+# results (tests/test_config.py enumerates every schema field and checks each is classified).
+IDENTITY_EXCLUDED_SECTIONS: dict[str, str] = {
+    "run": "what to run now and where its records go: the name and root name the directory itself, "
+    "stages picks a subset (each stage's hash covers its own inputs), dry_run/follow only change the command",
+    "cluster": "where and how jobs run (executor, resources, time limits, environment, requeues)",
+    "planner": "assumptions of the resource planner (python -m pipeline.plan); no job reads them",
 }
-_RESULT_PARALLEL_KEYS = ("global_batch_size", "precision")
+IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
+    "time_min": "job time limit: a stage stopped by it resumes exactly",
+    "threads": "CPU threads per rank: speed only",
+    "hang_timeout_s": "watchdog: only decides when a hung rank gives up",
+    "log_interval": "how often metrics are printed",
+    "save_interval": "checkpoint cadence: resume and rollback replay exactly",
+    "keep_last": "how many checkpoints are kept on disk",
+    "max_bad_steps": "only decides whether a stage stops; a completed stage's result does not depend on it",
+    "nan_policy": "skip and rollback give bit-identical weights (tests/test_nan_policy.py); stop only ends "
+    "the stage",
+    "async_save": "checkpoint writing in the background: the saved state is the same",
+}
+IDENTITY_PARALLEL_KEYS = ("global_batch_size", "precision")
+"""The only parallel keys that change results; the rest is the layout, which must not (same weights at step 0
+and the same data order under any tp/pp/vpp/dp)."""
+# grad_spike_factor stays in the identity: the spike threshold decides which updates are dropped, so it
+# changes the trajectory whenever it is on.
 
 
 def _digest(obj: Any) -> str:
@@ -574,8 +715,8 @@ def _digest(obj: Any) -> str:
 def stage_own_config(pc: PipelineConfig, name: str) -> dict[str, Any]:
     """The part of the config that decides a stage's result (cluster and resources excluded)."""
     st = dataclasses.asdict(pc.stage(name))
-    own = {k: v for k, v in st.items() if k not in _RESOURCE_KEYS}
-    own["parallel"] = {k: st["parallel"][k] for k in _RESULT_PARALLEL_KEYS}
+    own = {k: v for k, v in st.items() if k not in IDENTITY_EXCLUDED_STAGE_KEYS}
+    own["parallel"] = {k: st["parallel"][k] for k in IDENTITY_PARALLEL_KEYS}
     if name == "data_prep":
         own["data"] = dataclasses.asdict(pc.data)
     else:
@@ -599,6 +740,11 @@ def run_hash(pc: PipelineConfig) -> str:
     return _digest(stage_hashes(pc))[:8]
 
 
+def run_dir_for(pc: PipelineConfig) -> Path:
+    """Deterministic run directory: experiment name + hash of everything that changes results."""
+    return Path(pc.run.root).resolve() / f"{pc.run.name}-{run_hash(pc)}"
+
+
 # ---------------------------------------------------------------------------- Hydra
 
 
@@ -617,8 +763,10 @@ def register_configs() -> None:
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
-def compose(overrides: list[str] | None = None, config_name: str = "config") -> Any:
-    """Compose conf/ with Hydra's compose API (for companion commands and tests); returns a DictConfig."""
+def compose(
+    overrides: list[str] | None = None, config_name: str = "config", return_hydra_config: bool = False
+) -> Any:
+    """Compose conf/ with Hydra's compose API: the one compose path of every command; returns a DictConfig."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -626,9 +774,12 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return hydra_compose(config_name, overrides=list(overrides or []))
+        return hydra_compose(
+            config_name, overrides=list(overrides or []), return_hydra_config=return_hydra_config
+        )
 
 
 def load_config(overrides: list[str] | None = None) -> PipelineConfig:
-    """Compose and validate: what ``python -m pipeline`` sees for the same overrides."""
+    """Compose and validate (without the input pre-flight and the error normalization of ``pipeline.cli.load``,
+    which the commands use)."""
     return build_config(compose(overrides))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -40,7 +41,10 @@ def field_docs() -> dict[str, list[tuple[str, str, str, str]]]:
                     and isinstance(nxt.value.value, str)
                 ):
                     doc = nxt.value.value.strip()
-                default = ast.unparse(stmt.value) if stmt.value is not None else ""
+                value = stmt.value
+                if isinstance(value, ast.Call) and ast.unparse(value.func) == "num" and value.args:
+                    value = value.args[0]  # num(default, <domain>): the domain has its own column
+                default = ast.unparse(value) if value is not None else ""
                 if "default_factory" in default:
                     default = default.split("default_factory=", 1)[1][:-1].removeprefix("lambda: ")
                 rows.append((stmt.target.id, ast.unparse(stmt.annotation), default, doc))
@@ -56,16 +60,26 @@ def render() -> str:
         "Generated from the schema in `pipeline/config.py` by `python -m pipeline.docs`; do not edit by hand.",
         "Override any key on the command line (`python -m pipeline pretrain.lr=3e-4`); YAML under `conf/` picks",
         "values per group (`model=llama3.2-1b`, `cluster=slurm`, `parallel@pretrain.parallel=dp2`, `experiment=tiny`).",
+        "`allowed` is a numeric key's domain (null stays allowed where the type says `| None`); every key is checked",
+        "before any job starts, and a mistake prints `config error: <key>=<value>: <what is allowed>` (exit code 2).",
         "",
     ]
     for prefix, cls in SECTIONS:
-        lines += [f"## `{prefix}` ({cls})", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        domains = {f.name: config.domain_of(f) for f in dataclasses.fields(getattr(config, cls))}
+        lines += [
+            f"## `{prefix}` ({cls})",
+            "",
+            "| key | type | default | allowed | meaning |",
+            "|---|---|---|---|---|",
+        ]
         for name, typ, default, doc in docs[cls]:
+            dom = domains.get(name)
+            allowed = dom.describe() if dom else ""
             if typ in ("ParallelConfig",):
                 doc = doc + " See `<stage>.parallel`."
                 default = ""
             typ, default = typ.replace("|", "\\|"), default.replace("|", "\\|")
-            lines.append(f"| `{name}` | `{typ}` | `{default}` | {doc.replace('|', '/')} |")
+            lines.append(f"| `{name}` | `{typ}` | `{default}` | {allowed} | {doc.replace('|', '/')} |")
         lines.append("")
     return "\n".join(lines)
 

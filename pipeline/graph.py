@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.config import STAGES, ConfigError
+from pipeline.config import STAGES, TRAIN_STAGES, ConfigError
 
 # Each stage and the stages whose outputs it reads.
 DEPENDS: dict[str, tuple[str, ...]] = {
@@ -19,6 +19,12 @@ def upstream(stage: str) -> tuple[str, ...]:
     if stage not in DEPENDS:
         raise ConfigError(f"run.stages={stage!r}: must be one of {list(STAGES)}")
     return DEPENDS[stage]
+
+
+def weights_upstream(stage: str) -> str | None:
+    """The training stage whose final checkpoint ``<stage>.init_from: auto`` loads (None: random init)."""
+    ups = [u for u in upstream(stage) if u in TRAIN_STAGES]
+    return ups[-1] if ups else None
 
 
 def order(selected: list[str]) -> list[str]:

@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pipeline import progress
-from pipeline.config import PipelineConfig, run_hash, stage_hashes
+from pipeline.config import PipelineConfig, run_dir_for, stage_hashes
 from pipeline.graph import dependencies, order, upstream
 from pipeline.launch import free_port, make_executor, mark_submitted, run_stage, sbatch_script, stage_out_dir
 from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, STOPPED, Ledger, StageRecord
 from pipeline.plan import stage_plan
+from pipeline.slurm_submit import SubmitError
+
+__all__ = ["RunError", "SubmitError", "execute", "run_dir_for"]
 
 
 class RunError(RuntimeError):
@@ -32,11 +35,6 @@ class Decision:
     skip: list[str] = field(default_factory=list)
     active: list[str] = field(default_factory=list)
     submit: list[str] = field(default_factory=list)
-
-
-def run_dir_for(cfg: PipelineConfig) -> Path:
-    """Deterministic run directory: experiment name + hash of everything that changes results."""
-    return Path(cfg.run.root).resolve() / f"{cfg.run.name}-{run_hash(cfg)}"
 
 
 def decide(cfg: PipelineConfig, ledger: Ledger, alive: Any = None) -> Decision:
@@ -67,11 +65,17 @@ def decide(cfg: PipelineConfig, ledger: Ledger, alive: Any = None) -> Decision:
     return d
 
 
-def execute(cfg: PipelineConfig, *, out: TextIO = sys.stdout) -> int:
+def execute(cfg: PipelineConfig, *, out: TextIO | None = None) -> int:
     """Plan, submit and (for local/debug) follow one run. Returns a process exit code."""
+    out = out or sys.stdout
     run_dir = run_dir_for(cfg)
     if cfg.run.dry_run:
         return dry_run(cfg, run_dir, out)
+    if cfg.cluster.executor == "slurm":
+        from pipeline.slurm_submit import check_slurm
+
+        check_slurm()  # no sbatch, or the controller does not answer: stop before writing anything
+    fresh = not run_dir.exists()
     ledger = Ledger(run_dir)
     d = decide(cfg, ledger, alive=_job_alive)
     print(f"run directory: {run_dir}", file=out)
@@ -91,7 +95,19 @@ def execute(cfg: PipelineConfig, *, out: TextIO = sys.stdout) -> int:
     if cfg.cluster.executor == "slurm":
         from pipeline.slurm_submit import submit_graph
 
-        return submit_graph(cfg, run_dir, d.submit, out=out)
+        try:
+            return submit_graph(cfg, run_dir, d.submit, out=out)
+        except SubmitError as e:
+            if fresh and e.submitted == 0:  # SLURM took nothing: leave nothing behind
+                import shutil
+
+                shutil.rmtree(run_dir, ignore_errors=True)
+            else:
+                print(
+                    f"run directory: {run_dir} (python -m pipeline.status reads it; re-run to resubmit)",
+                    file=out,
+                )
+            raise
     for s in d.submit:
         _run_one_local(cfg, s, run_dir, ledger, out)
     return summarize(cfg, run_dir, out)

@@ -16,9 +16,10 @@ Example (70B on 64 nodes of 8 GPUs)::
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from pipeline.config import TRAIN_STAGES, ConfigError, PipelineConfig, build_config, register_configs
+from pipeline.cli import load, report
+from pipeline.config import CONF_DIR as CONF_DIR  # re-exported (tests, the docs)
+from pipeline.config import TRAIN_STAGES, ConfigError, PipelineConfig
 from pipeline.planner import (
     BYTES_PER_PARAM,
     RECOMPUTE_MODES,
@@ -29,19 +30,14 @@ from pipeline.planner import (
     param_count,
 )
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 _LABEL = 40
 _COLUMN = 16
 
 
 def compose_config(overrides: list[str]) -> PipelineConfig:
-    """Compose conf/config.yaml with ``overrides`` (Hydra compose API) and validate it."""
-    from hydra import compose, initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=overrides)
-    return build_config(cfg)
+    """Compose and validate as ``python -m pipeline`` does (pipeline.cli.load), without the input pre-flight:
+    planning needs no data or checkpoints."""
+    return load(list(overrides), inputs=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,20 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = compose_config(args)
         estimates = [estimate_stage(cfg, s) for s in cfg.run.stages if s in TRAIN_STAGES]
-    except Exception as e:  # ConfigError, or Hydra/OmegaConf rejecting an override
-        if not _is_config_error(e):
-            raise
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    except ConfigError as e:
+        return report(e)
     print(format_plan(cfg, estimates))
     return 0 if all(e.fits for e in estimates) else 1
-
-
-def _is_config_error(e: Exception) -> bool:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    return isinstance(e, ConfigError | HydraException | OmegaConfBaseException)
 
 
 # ---------------------------------------------------------------------------- formatting

@@ -6,6 +6,9 @@ for a few seconds before PENDING; submitit takes that as final, so we never do: 
 
 from __future__ import annotations
 
+import contextlib
+import io
+import shutil
 import subprocess
 import sys
 import time
@@ -69,6 +72,70 @@ def slurm_job_alive(job_id: str) -> bool:
     return state in ALIVE_STATES
 
 
+class SubmitError(RuntimeError):
+    """SLURM did not take a job (no sbatch, controller unreachable, sbatch rejected it): SLURM's own message
+    and the fix, in one line. Exit code ``pipeline.cli.EXIT_SUBMIT``."""
+
+    def __init__(self, message: str, submitted: int = 0) -> None:
+        super().__init__(message)
+        self.submitted = submitted
+        """Jobs of this submission that SLURM had accepted (and that were cancelled again)."""
+
+
+# SLURM message fragments -> the fix to print with them.
+_FIXES = (
+    ("invalid partition", "set cluster.partition to one `sinfo -s` lists (null: the cluster's default)"),
+    ("invalid account", "set cluster.account to one `sacctmgr show assoc user=$USER` lists, or null"),
+    ("invalid qos", "set cluster.qos to one your account may use (`sacctmgr show qos`), or null"),
+    (
+        "node configuration is not available",
+        "ask for less per node (cluster.gpus_per_node, cpus_per_node, "
+        "mem_gb, ranks_per_node) or fix cluster.constraint",
+    ),
+    ("time limit", "lower cluster.time_min / <stage>.time_min to the partition's limit (`sinfo -o %P,%l`)"),
+    (
+        "unable to contact slurm controller",
+        "the controller is down or unreachable: check `scontrol ping` "
+        "and SLURM_CONF, then re-run the same command",
+    ),
+    (
+        "slurm_conf",
+        "SLURM's configuration is not found: set SLURM_CONF (local cluster: source .slurm/env.sh)",
+    ),
+)
+
+
+def fix_for(message: str) -> str:
+    low = message.lower()
+    for frag, fix in _FIXES:
+        if frag in low:
+            return fix
+    return "fix the cluster profile (conf/cluster/, cluster.*) and re-run the same command"
+
+
+def _one_line(text: str) -> str:
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return " / ".join(dict.fromkeys(errors or lines[-1:])) or "no message"
+
+
+def check_slurm() -> None:
+    """sbatch and srun are on PATH and the controller answers; raises SubmitError (nothing written yet)."""
+    for tool in ("sbatch", "srun", "sinfo"):
+        if shutil.which(tool) is None:
+            raise SubmitError(
+                f"{tool} not found on PATH: cluster.executor=slurm needs SLURM's client commands; run on a "
+                "login node (or `source .slurm/env.sh` for the local cluster), or use cluster=local"
+            )
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SubmitError(f"sinfo failed ({e}): {fix_for('unable to contact slurm controller')}") from None
+    if r.returncode != 0:
+        msg = _one_line(r.stderr or r.stdout)
+        raise SubmitError(f"SLURM says: {msg}; fix: {fix_for(msg)}")
+
+
 def cancel_jobs(job_ids: list[str]) -> None:
     if job_ids:
         subprocess.run(["scancel", *job_ids], capture_output=True, timeout=60)
@@ -82,7 +149,11 @@ def submit_graph(cfg: PipelineConfig, run_dir: Path, stages: list[str], *, out: 
     jobs: dict[str, str] = {}
     for s in stages:
         deps = _dependency_ids(s, jobs, ledger)
-        jobs[s] = _submit_stage(cfg, run_dir, s, code_dir, deps, ledger)
+        try:
+            jobs[s] = _submit_stage(cfg, run_dir, s, code_dir, deps, ledger)
+        except SubmitError as e:
+            _undo(ledger, jobs, s, str(e))
+            raise SubmitError(str(e), submitted=len(jobs)) from None
         print(f"[{s}] submitted job {jobs[s]}" + (f" (afterok:{':'.join(deps)})" if deps else ""), file=out)
     print(f"run directory: {run_dir}\nfollow with: python -m pipeline.status {run_dir}", file=out)
     if cfg.run.follow:
@@ -110,10 +181,16 @@ def _submit_stage(
     prev = ledger.read(stage)
     if prev and prev.job_ids:
         cancel_jobs([j for j in prev.job_ids if slurm_job_alive(j)])  # e.g. dependents left pending
-    ex = make_executor(cfg, stage, run_dir, code_dir)
-    if deps:
-        ex.update_parameters(dependency="afterok:" + ":".join(deps))
-    job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), None)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):  # submitit echoes sbatch's stderr: we print it once
+            ex = make_executor(cfg, stage, run_dir, code_dir)
+            if deps:
+                ex.update_parameters(dependency="afterok:" + ":".join(deps))
+            job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), None)
+    except (OSError, RuntimeError) as e:  # submitit's FailedJobError/FailedSubmissionError are RuntimeErrors
+        msg = _one_line(str(e) or captured.getvalue() or type(e).__name__)
+        raise SubmitError(f"sbatch rejected stage {stage!r}: {msg}; fix: {fix_for(msg)}") from None
     job_id = str(job.job_id)
     mark_submitted(
         cfg,
@@ -126,6 +203,16 @@ def _submit_stage(
     )
     ledger.event("submitted", stage, job_id=job_id, dependency=deps)
     return job_id
+
+
+def _undo(ledger: Ledger, jobs: dict[str, str], failed: str, error: str) -> None:
+    """A stage's submission failed: cancel this submission's jobs and say so in the ledger, so that status
+    reads the run directory and the same command resubmits everything."""
+    cancel_jobs(list(jobs.values()))
+    for s in jobs:
+        ledger.update(s, status=CANCELLED, ended_at=time.time(), error=f"not run: submitting {failed} failed")
+    ledger.update(failed, status=FAILED, ended_at=time.time(), error=f"submission failed: {error}")
+    ledger.event("submit_failed", failed, error=error, cancelled=list(jobs.values()))
 
 
 def follow(

@@ -156,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--watch", type=float, default=0, help="refresh every N seconds until nothing is active")
     a = p.parse_args(argv)
     if not (a.run_dir / "ledger").is_dir():
-        print(f"error: {a.run_dir} is not a run directory (no ledger/ inside)", file=sys.stderr)
-        return 2
+        from pipeline.cli import not_a_run_dir
+
+        return not_a_run_dir(a.run_dir)
     while True:
         views = run_status(a.run_dir)
         print(format_status(a.run_dir, views), flush=True)

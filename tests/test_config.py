@@ -104,7 +104,7 @@ def test_typo_lists_choices() -> None:
 def test_unknown_key_in_dict_input_suggests() -> None:
     data = PipelineConfig().to_dict()
     data["model"]["num_layer"] = 2
-    with pytest.raises(ConfigError, match=r"model.num_layer: unknown key \(did you mean 'num_layers'\?\)"):
+    with pytest.raises(ConfigError, match=r"model.num_layer=2: unknown key \(did you mean 'num_layers'\?\)"):
         build_config(data)
 
 

@@ -209,6 +209,7 @@ def test_memory_and_step_time_of_a_stage_by_hand() -> None:
             "pretrain.parallel.micro_batch_size=2",
             "pretrain.parallel.global_batch_size=16",
             "model.vocab_size=1000",
+            "data.vocab_size=1000",
             "planner.gpu_peak_tflops=100",
             "planner.mfu=0.5",
         ]

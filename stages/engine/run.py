@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import PipelineConfig, TrainStage
+from pipeline.graph import weights_upstream
 from stages.context import MetricsWriter, StageContext
-
-UPSTREAM = {"pretrain": None, "sft": "pretrain", "rlhf": "sft"}
-"""The stage whose final checkpoint ``init_from: auto`` loads."""
 
 Sources = Callable[..., tuple[Any, Any]]
 
@@ -27,7 +25,7 @@ def resolve_init_from(cfg: PipelineConfig, ctx: StageContext) -> Path | None:
     if value is None or value in ("", "none", "null"):
         return None
     if value == "auto":
-        up = UPSTREAM[ctx.stage]
+        up = weights_upstream(ctx.stage)  # the one stage graph (pipeline.graph.DEPENDS)
         if up is None:
             return None
         if up not in ctx.inputs:
