@@ -1,4 +1,4 @@
-"""The model: megatron-core GPTModel with the local layer spec, wrapped for mixed precision and DDP.
+"""The model: megatron-core GPTModel (TE layer spec where TE imports, else local), in mixed precision and DDP.
 
 ``build_model`` returns the list of model chunks (one per virtual pipeline stage on this rank), each wrapped
 in megatron's DistributedDataParallel, with ``config.finalize_model_grads_func`` set (without it the
@@ -71,26 +71,6 @@ def transformer_config(model: ModelConfig, par: ParallelConfig) -> Any:
     )
 
 
-def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None) -> Any:
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-
-    spec = layer_spec(model)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=vocab_size,
-        max_sequence_length=model.max_position_embeddings or model.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-        share_embeddings_and_output_weights=model.tie_embeddings,
-        position_embedding_type=model.position_embedding,
-        rotary_base=model.rotary_base,
-        rope_scaling=model.rotary_scaling,
-        vp_stage=vp_stage,
-    )
-
-
 def transformer_engine_available() -> bool:
     """Whether Transformer Engine imports here (GPU clusters with TE; never on CPU or the lent H200)."""
     try:
@@ -106,13 +86,35 @@ def attention_impl() -> str:
     return "te" if transformer_engine_available() else "local"
 
 
-def layer_spec(model: ModelConfig) -> Any:
-    """The transformer layer spec of ``attention_impl()``; both save the same checkpoint keys."""
+def layer_spec(local_spec: Any) -> Any:
+    """The transformer layer spec of ``attention_impl()``: TE's, else ``local_spec`` (the local spec with its
+    core attention); both save the same checkpoint keys."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if attention_impl() == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=model.normalization)
+    return local_spec
+
+
+def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None) -> Any:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization=model.normalization)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(spec),
+        vocab_size=vocab_size,
+        max_sequence_length=model.max_position_embeddings or model.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type=model.position_embedding,
+        rotary_base=model.rotary_base,
+        rope_scaling=model.rotary_scaling,
+        vp_stage=vp_stage,
+    )
 
 
 def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> list[Any]:
