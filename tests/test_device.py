@@ -4,7 +4,8 @@
 moved there; a forward pre-hook on the GPTModel records the devices of every tensor argument and stops the
 call (nothing is computed). A tensor made on the CPU anywhere on the way (eval's batches, positions,
 generation's token rows, a step's batch) shows up as ``cpu`` and fails the test, as it would fail on CUDA.
-The static test keeps ``.cuda(`` and ``"cuda"`` out of ``stages/`` except in the device helper and cpu_compat.
+The same run checks bf16: bf16 weights, fp32 gradient buffers, fp32 main params in the optimizer. The static
+test keeps ``.cuda(`` and ``"cuda"`` devices out of ``stages/`` except in the device helper and cpu_compat.
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ SCRIPT = textwrap.dedent(
     assert {p.device for p in chunks[0].parameters()} == {D.device()}, "build_model: not on D.device()"
     optimizer, scheduler = build_optimizer(chunks, stage, par)
     gpt = unwrap(chunks[0])
+
+    # bf16: bf16 weights, fp32 gradient buffers and fp32 main params in the optimizer.
+    par16 = ParallelConfig(micro_batch_size=2, global_batch_size=2, precision="bf16")
+    bf16 = build_model(model_cfg, par16, vocab)
+    opt16, _ = build_optimizer(bf16, TrainStage(parallel=par16, iters=1, warmup_iters=0), par16)
+    dtypes = {
+        "params": sorted({str(p.dtype) for p in bf16[0].parameters()}),
+        "grad_buffers": sorted({str(b.grad_dtype) for b in bf16[0].buffers}),
+        "main_params": sorted({str(p.dtype) for g in opt16.param_groups for p in g["params"]}),
+    }
 
     class Landed(Exception):
         pass
@@ -96,6 +107,7 @@ SCRIPT = textwrap.dedent(
             lambda: ev.evaluate(gpt, Tok(), {**empty, "task": [{"prompt": "p", "answer": "a"}]}, cfg)
         ),
     }
+    print("DTYPES", json.dumps(dtypes))
     print("RESULT", json.dumps(out))
     """
 )
@@ -115,6 +127,12 @@ def test_every_batch_lands_on_the_models_device(tmp_path: Path) -> None:
     assert len(seen) == 8
     for path, got in seen.items():
         assert got == {"inputs": ["meta"], "model": "meta"}, (path, got)
+    line = next(x for x in r.stdout.splitlines() if x.startswith("DTYPES "))
+    assert json.loads(line[len("DTYPES ") :]) == {
+        "params": ["torch.bfloat16"],
+        "grad_buffers": ["torch.float32"],
+        "main_params": ["torch.float32"],
+    }
 
 
 # Files allowed to name CUDA: the device helper (and process-group set-up) and the CPU compatibility layer.
