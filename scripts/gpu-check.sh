@@ -18,7 +18,6 @@ OUT_DIR=${OUT:-runs/gpu-check}
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu-check.log"
 : >"$LOG"
-exec > >(tee -a "$LOG") 2>&1
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
 START=$(date +%s)
 PY=${PYTHON:-python3}
@@ -29,6 +28,7 @@ failed=0
 say() { echo "gpu-check [$(($(date +%s) - START)) s]: $*"; }
 left() { echo $((BUDGET_S - ($(date +%s) - START))); }
 
+main() {
 say "log: $LOG; $(date -u '+%Y-%m-%d %H:%M:%S UTC'); $(uname -n); $("$PY" --version 2>&1)"
 say "git: $(git rev-parse --short HEAD 2>/dev/null || echo 'no git') $(git status --porcelain 2>/dev/null | wc -l) changed files"
 
@@ -58,10 +58,16 @@ else
     say "FAILED: no wheels in $WHEELS (prepare them with 'bash scripts/gpu-wheels.sh' where a registry is reachable)"
     exit 1
   fi
-  [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$VENV"
-  PY=$VENV/bin/python
+  target=()
+  if [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$VENV"; then
+    PY=$VENV/bin/python
+  else  # no venv module in the image: a plain folder on PYTHONPATH instead
+    say "no venv here: installing into $VENV/site on PYTHONPATH"
+    target=(--target "$VENV/site")
+    export PYTHONPATH="$PWD/$VENV/site"
+  fi
   say "installing $(ls "$WHEELS"/*.whl | wc -l) carried wheels into $VENV (offline, no dependency resolution)"
-  if ! "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps "$WHEELS"/*.whl; then
+  if ! "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps "${target[@]}" "$WHEELS"/*.whl; then
     say "FAILED: installing the carried wheels"
     exit 1
   fi
@@ -98,3 +104,8 @@ fi
 
 say "done: $failed failed step(s); log $LOG"
 exit "$failed"
+}
+
+# tee in a pipeline (not a process substitution): the log is complete when the script exits.
+main 2>&1 | tee -a "$LOG"
+exit "${PIPESTATUS[0]}"
