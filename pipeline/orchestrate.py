@@ -200,8 +200,25 @@ def summarize(cfg: PipelineConfig, run_dir: Path, out: TextIO) -> int:
         rec = ledger.read(s)
         status = rec.status if rec else "not run"
         print(f"  {s:<10} {status:<10} {stage_out_dir(run_dir, s)}", file=out)
+        if s == "data_prep" and rec and rec.status == COMPLETED:
+            print(data_counts_lines(rec.outputs), file=out, end="")
     bad = [s for s in cfg.run.stages if (r := ledger.read(s)) and r.status in (FAILED, CANCELLED)]
     return 1 if bad else 0
+
+
+def data_counts_lines(outputs: dict[str, Any]) -> str:
+    """data_prep's cleaning counts per source (corpus=sources), one line each, for the summary."""
+    lines = ""
+    for name, c in (outputs.get("sources") or {}).items():
+        dropped = ", ".join(
+            f"{k} {c[k]}" for k in ("duplicates", "malformed", "empty", "too_short", "too_long") if c.get(k)
+        )
+        lines += (
+            f"    {name}: {c.get('documents', 0) - c.get('duplicates', 0)} documents kept"
+            + (f" (dropped: {dropped})" if dropped else "")
+            + "\n"
+        )
+    return lines
 
 
 def _write_provenance(cfg: PipelineConfig, run_dir: Path) -> None:

@@ -208,6 +208,20 @@ def _corpus(cfg: PipelineConfig, stage: str) -> None:
 
 
 @reads("data_prep")
+def _users_data(cfg: PipelineConfig, stage: str) -> None:
+    """corpus=sources, data.sft_paths, data.pref_paths: every file exists, is readable and not empty, its first
+    record parses and holds the source's field (pipeline.data_identity.check_data_inputs)."""
+    d = cfg.data
+    if d.corpus != "sources" and not d.sft_paths and not d.pref_paths:
+        return
+    from pipeline.data_identity import check_data_inputs
+
+    problems = check_data_inputs(cfg)
+    if problems:
+        raise ConfigError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+@reads("data_prep")
 def _tokenizer(cfg: PipelineConfig, stage: str) -> None:
     """A given tokenizer is a readable tokenizers JSON whose vocabulary fits the model's."""
     value = cfg.data.tokenizer_path

@@ -66,13 +66,15 @@ _SPLIT, _HELD_OUT, _SFT, _PREF, _MIX, _EVAL_PREF = range(6)
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     os.environ["RAYON_NUM_THREADS"] = str(cfg.data_prep.threads)  # before tokenizers starts its pool
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    world = _world(cfg)
+    world = _world(cfg, Path(ctx.out_dir))
     env_rank = int(os.environ.get("RANK", "0") or 0)
     if world.size == 1 and env_rank > 0:
         return {"rank": env_rank, "idle": "ranks without MPI do not share data prep; rank 0 did it"}
 
     d, out = cfg.data, Path(ctx.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if d.corpus == "sources":
+        return prepare_sources(cfg, out, world)
     timings: dict[str, float] = {}
     t = time.perf_counter()
     if world.rank == 0:
@@ -118,6 +120,7 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         shutil.rmtree(scratch, ignore_errors=True)
         world.barrier()
     counts = write_task_files(out, d, held)
+    counts.update(write_chat_files(out, d))
     _atomic_write(out / "tokenizer.json", tok_json)
     counts.update(
         documents_text=len(text_docs),
@@ -389,13 +392,20 @@ def write_manifest(
     d: DataConfig,
     tokenizer: Tokenizer,
     dtype: type[np.number],
-    counts: dict[str, int],
+    counts: dict[str, Any],
     sources: list[str],
+    text_files: list[str] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Checksum every output file and write ``manifest.json`` (last, atomically)."""
     names = ["tokenizer.json", "sft_train.jsonl", "pref_train.jsonl", "eval_task.jsonl", "eval_pref.jsonl"]
-    names += [f"text_{s}{ext}" for s in ("train", "valid") for ext in (".bin", ".idx")]
+    text_files = text_files if text_files is not None else [f"text_{s}" for s in ("train", "valid")]
+    names += [f"{t}{ext}" for t in text_files for ext in (".bin", ".idx")]
+    chat = {k: f for k, f in (("sft_file", SFT_CHAT), ("pref_file", PREF_CHAT)) if (out / f).is_file()}
+    names += list(chat.values())
     manifest = {
+        **(extra or {}),
+        **chat,
         "format": 1,
         "vocab_size": tokenizer.vocab_size,
         "special_tokens": {
@@ -463,12 +473,77 @@ class _World:
         if self.comm is not None:
             self.comm.Barrier()
 
+    def allgather(self, value: Any) -> list[Any]:
+        return [value] if self.comm is None else list(self.comm.allgather(value))
+
+
+def _job_nonce() -> str:
+    """Names one launch of the job (every rank sees the same rendezvous address and port)."""
+    return f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}".replace("/", "_")
+
+
+class _FileWorld(_World):
+    """N ranks started by the job launcher without MPI (local executor tasks, srun tasks): they meet through
+    files in a folder every rank sees (the stage's output directory, on a shared filesystem on clusters)."""
+
+    POLL_S = 0.05
+
+    def __init__(self, rank: int, size: int, folder: Path) -> None:
+        super().__init__()
+        self.rank, self.size, self.folder, self._n = rank, size, folder, 0
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def _put(self, name: str, value: Any) -> None:
+        import pickle
+
+        tmp = self.folder / f".{name}.tmp"
+        tmp.write_bytes(pickle.dumps(value))
+        os.replace(tmp, self.folder / name)
+
+    def _get(self, name: str) -> Any:
+        import pickle
+
+        path = self.folder / name
+        while not path.is_file():
+            time.sleep(self.POLL_S)
+        return pickle.loads(path.read_bytes())
+
+    def _exchange(self, value: Any) -> list[Any]:
+        self._n += 1
+        self._put(f"{self._n}-{self.rank}", value)
+        return [self._get(f"{self._n}-{r}") for r in range(self.size)]
+
+    def on_root(self, fn: Callable[[], T]) -> T:
+        result: tuple[str, Any] = ("ok", None)
+        if self.rank == 0:
+            try:
+                result = ("ok", fn())
+            except Exception as e:
+                result = ("error", e)
+        result = self._exchange(result)[0]
+        if result[0] == "error":
+            raise result[1]
+        return result[1]
+
+    def sum(self, value: int) -> int:
+        return int(sum(self._exchange(value)))
+
+    def barrier(self) -> None:
+        self._exchange(None)
+
+    def allgather(self, value: Any) -> list[Any]:
+        return self._exchange(value)
+
 
 _MPI_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 
 
-def _world(cfg: PipelineConfig) -> _World:
-    if not any(int(os.environ.get(k, "1") or 1) > 1 for k in _MPI_ENV):
+def _world(cfg: PipelineConfig, out: Path | None = None) -> _World:
+    env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    mpi = any(int(os.environ.get(k, "1") or 1) > 1 for k in _MPI_ENV)
+    if not mpi and env_world > 1 and cfg.data.corpus == "sources" and out is not None:
+        return _FileWorld(int(os.environ.get("RANK", "0") or 0), env_world, out / f".world-{_job_nonce()}")
+    if not mpi:
         if (cfg.data_prep.parallel.dp or 1) > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
             warnings.warn(
                 "data_prep.parallel.dp > 1 but not launched by mpiexec: tokenizing on one rank", stacklevel=2
@@ -478,3 +553,243 @@ def _world(cfg: PipelineConfig) -> _World:
 
     comm = MPI.COMM_WORLD
     return _World(comm if comm.Get_size() > 1 else None)
+
+
+# ---------------------------------------------------------------------------- corpus=sources
+
+
+def prepare_sources(cfg: PipelineConfig, out: Path, world: _World) -> dict[str, Any]:
+    """corpus=sources: units of work over every source, shards per unit (resumable), merge, blend, manifest.
+
+    See ``stages.engine.data_sources``. The scratch folder ``.shards-<key>`` is named by the data config and
+    the tokenizer, so a rerun after a kill keeps every finished shard and redoes only the others.
+    """
+    from stages.engine import data_sources as ds
+
+    d = cfg.data
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    if world.rank == 0:
+        (out / MANIFEST).unlink(missing_ok=True)
+    units, fmts = world.on_root(lambda: ds.plan_units(d.sources, max(1, int(d.shard_mb * 1e6))))
+    held = tasks.make_split(d.num_eval_examples, d.max_operand, _rng(d.seed, _HELD_OUT), d.task)
+
+    def tokenizer_json() -> str:
+        if d.tokenizer_path is not None:
+            return str(build_tokenizer(d, []).to_str())
+        sample = list(ds.sample_documents(units, d.sources, d, int(d.tokenizer_sample_mb * 1e6)))
+        sample += task_documents(held, len(sample), d.task_mix_fraction, _rng(d.seed, _MIX))
+        return str(build_tokenizer(d, sample).to_str())
+
+    tok_json = world.on_root(tokenizer_json)
+    tokenizer = _tokenizer_from_str(tok_json)
+    dtype = token_dtype(tokenizer.vocab_size)
+    timings["tokenizer_s"] = time.perf_counter() - t
+
+    import megatron.core.datasets.indexed_dataset  # noqa: F401  (slow first import: keep it out of the timing)
+
+    t = time.perf_counter()
+    key = _digest({"data": cfg.to_dict()["data"], "tokenizer": tok_json})
+    scratch = out / f".shards-{key}"
+    if world.rank == 0:
+        for stale in [*out.glob(".shards-*"), *out.glob(".world-*")]:
+            if stale not in (scratch, getattr(world, "folder", None)):
+                shutil.rmtree(stale, ignore_errors=True)
+        scratch.mkdir(exist_ok=True)
+    world.barrier()
+    error: Exception | None = None
+    resumed = 0
+    try:
+        for u in units[world.rank :: world.size]:
+            if ds.unit_done(scratch, u) is not None:
+                resumed += 1
+                continue
+            ds.write_unit(u, d.sources[u.source], d, tokenizer, dtype, scratch)
+    except Exception as e:  # every rank must learn of it, or the others wait at the barrier forever
+        error = e
+    errors = world.allgather(error)
+    for e in errors:
+        if e is not None:
+            raise e
+    resumed = world.sum(resumed)
+    timings["tokenize_s"] = time.perf_counter() - t
+    if world.rank != 0:
+        world.barrier()
+        return {"rank": world.rank}
+    try:
+        t = time.perf_counter()
+        result = _merge_sources(cfg, out, scratch, units, fmts, held, tokenizer, dtype, tok_json)
+        timings["merge_s"] = time.perf_counter() - t
+    finally:
+        world.barrier()
+    shutil.rmtree(scratch, ignore_errors=True)
+    result.update(ranks=world.size, units=len(units), units_resumed=resumed)
+    result["timings"] = {k: round(v, 3) for k, v in timings.items()}
+    return result
+
+
+def _merge_sources(
+    cfg: PipelineConfig,
+    out: Path,
+    scratch: Path,
+    units: list[Any],
+    fmts: list[str],
+    held: tasks.TaskSplit,
+    tokenizer: Tokenizer,
+    dtype: type[np.number],
+    tok_json: str,
+) -> dict[str, Any]:
+    from stages.engine import data_sources as ds
+
+    d = cfg.data
+    names = [ds.source_name(s, i) for i, s in enumerate(d.sources)]
+    per: dict[str, dict[str, Any]] = {
+        n: {"documents": 0, "malformed": 0, "empty": 0, "too_short": 0, "too_long": 0, "duplicates": 0}
+        for n in names
+    }
+    for u in units:
+        info = ds.unit_done(scratch, u)
+        assert info is not None, f"unit {u.index} has no done marker"
+        c = per[names[u.source]]
+        for k, v in info["counts"].items():
+            c[k] += v
+        for ex in info["examples"]:
+            c.setdefault("examples", [])
+            if len(c["examples"]) < ds.EXAMPLES_KEPT:
+                c["examples"].append(ex)
+    seen: set[bytes] | None = set() if d.dedup else None
+    blend: list[dict[str, Any]] = []
+    text_files: list[str] = []
+    tokens: dict[str, int] = {}
+    text_weight = 1.0 - (d.task_mix_fraction if d.task_mix_fraction > 0 else 0.0)
+    total_w = sum(s.weight for s in d.sources)
+    train_docs = 0
+    for i, (src, fmt) in enumerate(zip(d.sources, fmts)):
+        w = text_weight * src.weight / total_w
+        if fmt == "megatron":
+            blend.append({"prefix": str(Path(src.path).resolve()), "weight": w, "source": names[i]})
+            continue
+        prefix = f"text_train-{names[i]}"
+        n, toks, dups = ds.merge_units(
+            scratch, [u for u in units if u.source == i], "train", out / prefix, dtype, seen
+        )
+        per[names[i]]["tokens_train"] = toks
+        for j, k in dups.items():
+            per[names[j]]["duplicates"] += k
+        train_docs += n
+        text_files.append(prefix)
+        blend.append({"prefix": prefix, "weight": w, "source": names[i]})
+    for split in ("valid", "test"):
+        n, toks, dups = ds.merge_units(scratch, units, split, out / f"text_{split}", dtype, seen)
+        tokens[split] = toks
+        text_files.append(f"text_{split}")
+        for j, k in dups.items():
+            per[names[j]]["duplicates"] += k
+    task_docs: list[str] = []
+    if (
+        d.task_mix_fraction > 0
+    ):  # its own dataset in the blend, weighted task_mix_fraction; at least one document
+        f = min(d.task_mix_fraction, 0.99)
+        problems = held.train_problems(
+            max(1, round(train_docs * f / (1 - f))) * TASK_PROBLEMS_PER_DOC, _rng(d.seed, _MIX)
+        )
+        task_docs = [
+            tasks.text_document(problems[i : i + TASK_PROBLEMS_PER_DOC])
+            for i in range(0, len(problems), TASK_PROBLEMS_PER_DOC)
+        ]
+    if task_docs:
+        tmp = out / ".text_train-task.tmp"
+        tokens["task"] = write_shard(tokenizer, task_docs, tmp, dtype)
+        for ext in (".bin", ".idx"):
+            os.replace(f"{tmp}{ext}", out / f"text_train-task{ext}")
+        text_files.append("text_train-task")
+        blend.append({"prefix": "text_train-task", "weight": 1.0 - text_weight, "source": "task"})
+    for name, c in per.items():
+        if c.get("malformed"):
+            print(
+                f"[data_prep] {name}: skipped {c['malformed']} malformed records, e.g. {c.get('examples', [])}"
+            )
+    counts = write_task_files(out, d, held)
+    counts.update(write_chat_files(out, d))
+    _atomic_write(out / "tokenizer.json", tok_json)
+    counts.update(
+        documents_train=train_docs + len(task_docs),
+        documents_task=len(task_docs),
+        tokens_train=sum(int(c.get("tokens_train", 0)) for c in per.values()) + tokens.get("task", 0),
+        tokens_valid=tokens["valid"],
+        tokens_test=tokens["test"],
+    )
+    extra = {"blend": blend, "sources": per}
+    files = [str(u.path) for u in units]
+    manifest = write_manifest(out, d, tokenizer, dtype, counts, sorted(set(files)), text_files, extra)
+    return {
+        "data_dir": str(out),
+        "vocab_size": tokenizer.vocab_size,
+        "counts": manifest["counts"],
+        "sources": per,
+        "blend": blend,
+    }
+
+
+def _digest(obj: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------- users' SFT and preference data
+
+SFT_CHAT = "sft_chat.jsonl"
+PREF_CHAT = "pref_chat.jsonl"
+
+
+def write_chat_files(out: Path, d: DataConfig) -> dict[str, int]:
+    """Render ``data.sft_paths`` / ``data.pref_paths`` with ``data.chat_template`` (stages.engine.chat).
+
+    ``sft_chat.jsonl`` holds ``{"segments": [[text, trained], ...]}``, ``pref_chat.jsonl`` rendered
+    ``{"prompt", "chosen", "rejected"}``; the manifest names them (``sft_file``, ``pref_file``) and the SFT
+    and rlhf stages then train on them instead of the generated task sets (still written, for eval).
+    """
+    from stages.engine import chat
+
+    counts: dict[str, int] = {}
+    for name, paths, render in (
+        (SFT_CHAT, d.sft_paths, chat.render_sft),
+        (PREF_CHAT, d.pref_paths, chat.render_preference),
+    ):
+        (out / name).unlink(missing_ok=True)
+        if not paths:
+            continue
+        key = "data.sft_paths" if name == SFT_CHAT else "data.pref_paths"
+        tpl = chat.ChatTemplate(chat.load_template(d.chat_template, d.tokenizer_path), SPECIAL_TOKENS["eod"])
+        tmp = out / f".{name}.tmp"
+        n = 0
+        with open(tmp, "w", encoding="utf-8") as f:
+            for path in _expand_any(paths, key):
+                for where, rec in chat.iter_records(path):
+                    f.write(json.dumps(render(rec, where, tpl)) + "\n")
+                    n += 1
+            f.flush()
+            os.fsync(f.fileno())
+        if not n:
+            raise ValueError(f"{key}: no records in {paths}")
+        os.replace(tmp, out / name)
+        counts[name.removesuffix(".jsonl")] = n
+    return counts
+
+
+def _expand_any(patterns: list[str], key: str) -> list[Path]:
+    files: list[Path] = []
+    for pat in patterns:
+        hits = (
+            sorted(Path(p) for p in glob.glob(pat, recursive=True) if Path(p).is_file())
+            if glob.has_magic(pat)
+            else [Path(pat)]
+        )
+        for h in hits:
+            if not h.is_file():
+                raise ValueError(f"{key}: file not found: {h}")
+        if not hits:
+            raise ValueError(f"{key}: pattern {pat!r} matches no file")
+        files += hits
+    return files

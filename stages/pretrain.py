@@ -13,11 +13,12 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     from stages.engine.steps import make_step
 
     def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
-        from stages.engine.data import pretrain_source, valid_source
+        from stages.engine.data import valid_source
+        from stages.engine.data_sources import pretrain_train_source
 
         d = data_dir(ctx)
         samples = st.iters * st.parallel.global_batch_size
-        train = pretrain_source(d / "text_train", tokenizer, seq_length, samples, st.seed)
+        train = pretrain_train_source(d, tokenizer, seq_length, samples, st.seed)  # text_train or the blend
         return train, valid_source(d / "text_valid", tokenizer, seq_length, st.seed)
 
     return train_stage(cfg, ctx, step=make_step("pretrain"), sources=sources)

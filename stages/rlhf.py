@@ -24,15 +24,26 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     from stages.engine.steps import make_step
 
     def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
-        from stages.engine.data import preference_source
         from stages.engine.trainer import WithReference
 
-        prefs = preference_source(data_dir(ctx) / "pref_train.jsonl", tokenizer, seq_length, st.seed)
+        prefs = _preferences(data_dir(ctx), tokenizer, seq_length, st.seed)
         ref = _reference(ctx.out_dir / REFERENCE_FILE, prefs, st, seq_length, chunks, ckpt)
         return WithReference(prefs, ref, 0), None
 
     step = make_step(cfg.rlhf.algorithm, beta=cfg.rlhf.beta)
     return train_stage(cfg, ctx, step=step, sources=sources)
+
+
+def _preferences(d: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
+    """Users' pairs (data.pref_paths, rendered by data_prep) when given, else the generated pref_train.jsonl."""
+    from stages.engine.data import preference_source, read_manifest
+
+    chat_file = read_manifest(d, verify=False).get("pref_file")
+    if chat_file:
+        from stages.engine.chat import chat_preference_source
+
+        return chat_preference_source(d / chat_file, tokenizer, seq_length, seed)
+    return preference_source(d / "pref_train.jsonl", tokenizer, seq_length, seed)
 
 
 def _reference(

@@ -13,10 +13,16 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     from stages.engine.steps import make_step
 
     def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
-        from stages.engine.data import sft_source, valid_source
+        from stages.engine.data import read_manifest, sft_source, valid_source
 
         d = data_dir(ctx)
-        train = sft_source(d / "sft_train.jsonl", tokenizer, seq_length, st.seed)
+        chat_file = read_manifest(d, verify=False).get("sft_file")  # users' chat data (data.sft_paths)
+        if chat_file:
+            from stages.engine.chat import chat_sft_source
+
+            train = chat_sft_source(d / chat_file, tokenizer, seq_length, st.seed)
+        else:
+            train = sft_source(d / "sft_train.jsonl", tokenizer, seq_length, st.seed)
         return train, valid_source(d / "text_valid", tokenizer, seq_length, st.seed)  # watch forgetting
 
     return train_stage(cfg, ctx, step=make_step("sft"), sources=sources)
