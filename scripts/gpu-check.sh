@@ -24,6 +24,7 @@ PY=${PYTHON:-python3}
 WHEELS=${GPU_WHEELS:-.gpu-wheels}
 VENV=${GPU_VENV:-.gpu-venv}
 failed=0
+GPU_TESTS=$(grep -l 'mark\.gpu' tests/test_*.py | tr '\n' ' ')  # every file with gpu-marked tests
 
 say() { echo "gpu-check [$(($(date +%s) - START)) s]: $*"; }
 left() { echo $((BUDGET_S - ($(date +%s) - START))); }
@@ -39,7 +40,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   TPY=$PY
   [ -x .venv/bin/python ] && TPY=.venv/bin/python
   if "$TPY" -c "import pytest, torch" 2>/dev/null; then
-    "$TPY" -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_bench.py
+    "$TPY" -m pytest -m gpu -q -p no:cacheprovider -rs $GPU_TESTS
     rc=$?
     [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && { say "FAILED: collecting the gpu tests (pytest exit $rc)"; exit 1; }
   fi
@@ -85,7 +86,7 @@ say "gpu tests (budget left $(left) s)"
 t=$(($(left) - 180))
 [ "$t" -lt 60 ] && t=60
 timeout "$t" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs -s --durations=0 \
-  --junitxml="$OUT_DIR/gpu-tests.xml" tests/test_gpu.py tests/test_bench.py
+  --junitxml="$OUT_DIR/gpu-tests.xml" $GPU_TESTS
 rc=$?
 [ "$rc" -eq 0 ] && say "gpu tests: passed" || { say "FAILED: gpu tests (exit $rc)"; failed=$((failed + 1)); }
 
