@@ -2,7 +2,8 @@
 
 Every trial of a sweep (``-m``) is composed, validated and pre-flighted before the first one runs; each runs
 in its own deterministic run directory. Exit codes (``--help``, README): 0 ok, 1 a stage failed,
-2 configuration error (nothing written), 3 submission failed.
+2 configuration error (nothing written), 3 submission failed, 4 a selected stage
+runs in another local job (not followed: re-run when it has ended).
 """
 
 from __future__ import annotations

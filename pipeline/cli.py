@@ -26,12 +26,14 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_SUBMIT = 3
+EXIT_BUSY = 4
 EXIT_CODES: dict[int, str] = {
     EXIT_OK: "success (plan: every stage fits; status: nothing failed)",
     EXIT_FAILED: "a stage failed or was cancelled (plan: a stage does not fit in memory; status: a stage "
     "failed, is blocked or cancelled)",
     EXIT_CONFIG: "configuration error: a bad key, value, group option, override or input file; nothing written",
     EXIT_SUBMIT: "submission failed: no sbatch, SLURM controller unreachable, or sbatch rejected the job",
+    EXIT_BUSY: "a selected stage runs in another local job (not followed): re-run when it has ended",
 }
 
 COMMANDS: tuple[tuple[str, str], ...] = (

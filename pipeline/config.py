@@ -467,6 +467,8 @@ class TrainStage:
     """Steps between checkpoints (the final step is always saved)."""
     keep_last: int = num(2, ge=1)
     """Checkpoints kept besides the final one."""
+    keep_incomplete: int = num(1, ge=0)
+    """Temp dirs of crashed saves kept for inspection (the newest); older ones are deleted, and logged, at resume and after each save. A save that fails with an error removes its own at once."""
     hang_timeout_s: int = num(900, ge=0)
     """Watchdog: a rank without progress this long dumps its stacks and exits (code 86); 0 = off."""
     nan_policy: str = "skip"
@@ -774,6 +776,7 @@ IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
     "log_interval": "how often metrics are printed",
     "save_interval": "checkpoint cadence: resume and rollback replay exactly",
     "keep_last": "how many checkpoints are kept on disk",
+    "keep_incomplete": "how many temp dirs of crashed saves are kept on disk",
     "max_bad_steps": "only decides whether a stage stops; a completed stage's result does not depend on it",
     "nan_policy": "skip and rollback give bit-identical weights (tests/test_nan_policy.py); stop only ends "
     "the stage",

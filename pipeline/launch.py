@@ -205,6 +205,11 @@ def run_stage(
         MASTER_PORT=str(port),
     )
     ledger = Ledger(Path(run_dir))
+    local_group = cfg.cluster.executor == "local" and world > 1
+    if local_group:
+        from stages.engine.signals import HANG_HOOKS
+
+        HANG_HOOKS.append(end_local_job)
     if rank == 0:
         _mark_started(ledger, stage, job_id, world)
     try:
@@ -212,6 +217,8 @@ def run_stage(
     except BaseException as e:
         if rank == 0:
             _record_failure(ledger, stage, cfg, e)
+        if local_group and not _is_preempted(e):
+            end_local_job()
         raise
     if rank == 0:
         from pipeline.status import accounting
@@ -225,15 +232,48 @@ def run_stage(
     return out
 
 
+def _is_preempted(e: BaseException) -> bool:
+    from stages.engine.signals import Preempted
+
+    return isinstance(e, Preempted)
+
+
+def end_local_job() -> None:
+    """Kill the other ranks of this local job (a hung or failed rank ends the whole job, as SLURM does).
+
+    submitit's local controller waits for every task: a frozen rank (SIGSTOP, a deadlock) would keep the
+    job, and the command following it, waiting forever. The siblings are the controller's other children
+    carrying this job's id (``SUBMITIT_LOCAL_JOB_ID``); SIGKILL also ends a stopped process.
+    """
+    import psutil
+
+    job = os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+    if not job:
+        return
+    try:
+        siblings = psutil.Process(os.getppid()).children()
+    except psutil.Error:
+        return
+    for proc in siblings:
+        try:
+            if proc.pid != os.getpid() and proc.environ().get("SUBMITIT_LOCAL_JOB_ID") == job:
+                print(f"[launcher] ending rank process {proc.pid} of local job {job}", flush=True)
+                proc.kill()
+        except psutil.Error:
+            continue
+
+
 def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> None:
     """Rank 0: the ledger says running; the event records the rendezvous and the code this job imports."""
     rec = ledger.read(stage)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    attempt = (rec.attempts if rec else 0) + 1
+    os.environ["PIPELINE_STAGE_ATTEMPT"] = str(attempt)  # the engine's resume record (trainer.ATTEMPT_ENV)
     ledger.update(
         stage,
         status=RUNNING,
         started_at=time.time(),
-        attempts=(rec.attempts if rec else 0) + 1,
+        attempts=attempt,
         requeues=restarts,
         host=socket.gethostname(),
         error=None,

@@ -87,6 +87,13 @@ def execute(cfg: PipelineConfig, *, out: TextIO | None = None) -> int:
             f"[{s}] already queued or running (job {', '.join(rec.job_ids) if rec else '?'}): nothing submitted",
             file=out,
         )
+    if d.active and cfg.cluster.executor != "slurm":
+        print(
+            f"nothing submitted: stage(s) {', '.join(d.active)} run in another local job that this command "
+            "does not follow; re-run this command once it has ended (python -m pipeline.status shows it)",
+            file=out,
+        )
+        return 4
     if not d.submit:
         print("nothing submitted: every selected stage is completed or already queued/running", file=out)
         ledger.event("nothing_to_do")
@@ -118,7 +125,9 @@ def _run_one_local(cfg: PipelineConfig, stage: str, run_dir: Path, ledger: Ledge
     port = free_port()
     mark_submitted(cfg, ledger, stage, cfg.cluster.executor)
     job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), port)
-    ledger.update(stage, job_ids=[str(job.job_id)], log=str(job.paths.stdout))
+    rec = ledger.read(stage)
+    extra = {**(rec.extra if rec else {}), "job_start": _process_start(str(job.job_id))}
+    ledger.update(stage, job_ids=[str(job.job_id)], log=str(job.paths.stdout), extra=extra)
     ledger.event("submitted", stage, job_id=str(job.job_id))
     follower = progress.Follower(stage, stage_out_dir(run_dir, stage) / "metrics.jsonl", out=out)
     try:
@@ -171,10 +180,27 @@ def _job_alive(rec: StageRecord) -> bool:
 
         return any(slurm_job_alive(j) for j in rec.job_ids)
     if rec.executor == "local":
-        import psutil
-
-        return any(j.isdigit() and psutil.pid_exists(int(j)) for j in rec.job_ids)
+        start = rec.extra.get("job_start") if rec.extra else None
+        return any(start is not None and _process_start(j) == start for j in rec.job_ids)
     return False
+
+
+def _process_start(pid: str) -> float | None:
+    """Start time of live process ``pid`` (the local job's controller); None if gone or a zombie.
+
+    A local job is alive while the process that was started for it runs: the PID alone is not enough
+    (a killed job stays a zombie for a while, and a PID can be reused), so its start time is recorded at
+    submission and compared.
+    """
+    import psutil
+
+    try:
+        proc = psutil.Process(int(pid))
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return float(proc.create_time())
+    except (ValueError, psutil.Error):
+        return None
 
 
 def dry_run(cfg: PipelineConfig, run_dir: Path, out: TextIO) -> int:

@@ -8,3 +8,67 @@ try:
 except ImportError:  # tests/ as a package
     from .slurm_cluster import slurm_cluster  # noqa: F401
     from .slurm_helpers import cluster  # noqa: F401
+
+
+# ---------------------------------------------------------------------------- no process outlives the suite
+# Every process the suite starts inherits PIPELINE_TEST_SESSION=<uuid> (set before any test runs); at the end
+# the suite fails if a process carrying this session's marker is still alive, and ends those processes.
+# Processes of other sessions on the machine (other uuids) are never counted or touched.
+
+import os as _os
+import signal as _signal
+import time as _time
+import uuid as _uuid
+from pathlib import Path as _Path
+
+SESSION_ENV = "PIPELINE_TEST_SESSION"
+
+
+def pytest_configure(config):  # type: ignore[no-untyped-def]
+    if not hasattr(config, "workerinput"):  # one marker per session (an xdist worker keeps the master's)
+        _os.environ[SESSION_ENV] = _uuid.uuid4().hex
+
+
+def session_processes(marker: str) -> list[tuple[int, str]]:
+    """(pid, command line) of live, non-zombie processes whose environment carries ``marker``, except us."""
+    needle = f"{SESSION_ENV}={marker}".encode()
+    found = []
+    for proc in _Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == _os.getpid():
+            continue
+        try:
+            if needle not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                continue
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found.append((int(proc.name), cmd))
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
+    marker = _os.environ.get(SESSION_ENV)
+    if not marker or hasattr(session.config, "workerinput"):
+        return
+    deadline = _time.monotonic() + 15  # helpers of the last test may still be exiting
+    left = session_processes(marker)
+    while left and _time.monotonic() < deadline:
+        _time.sleep(0.5)
+        left = session_processes(marker)
+    if not left:
+        return
+    for pid, _ in left:
+        try:
+            _os.kill(pid, _signal.SIGKILL)
+        except OSError:
+            pass
+    lines = "\n".join(f"  pid {pid}: {cmd[:200]}" for pid, cmd in left)
+    msg = f"{len(left)} process(es) started by this test session outlived it (now killed):\n{lines}"
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_line(msg, red=True)
+    else:
+        print(msg)
+    session.exitstatus = 1

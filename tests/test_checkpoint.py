@@ -270,8 +270,10 @@ def _worker_save(args) -> int:
     return 0
 
 
-def _crash(*args, **kwargs) -> None:
-    raise RuntimeError("simulated crash")
+def _crash(directory, *args, **kwargs) -> None:
+    """The process dies while writing the marker (a save that *fails* with an error removes its temp dir)."""
+    print(json.dumps({"error": f"simulated crash writing the marker of {directory}"}), flush=True)
+    os._exit(3)
 
 
 def _worker_load(args) -> int:

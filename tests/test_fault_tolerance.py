@@ -122,7 +122,10 @@ def test_sigkill_at_three_steps_and_mid_checkpoint_write(
     ckpts = run_dir(root) / "stages" / "pretrain" / "checkpoints"
     assert list(ckpts.glob("tmp.iter_0000004.*")), "the killed write's temp dir is left, never taken for good"
     resumes = [m for m in metrics(root) if m["kind"] == "resume"]
-    assert [r["from_step"] for r in resumes] == [2, 4]  # the kill inside the write of 4 fell back to 2
+    # the kill at step 2 came before the first save: a restart from scratch, one step lost, still counted;
+    # the kill inside the write of 4 fell back to 2
+    assert [r["from_step"] for r in resumes] == [0, 2, 4] and [r["attempt"] for r in resumes] == [2, 3, 4]
+    assert resumes[0]["checkpoint"] is False and resumes[0]["steps_lost"] == 1, resumes[0]
     assert_identical(final_tensors(root), baseline_1)
     status = subprocess.run(
         [sys.executable, "-m", "pipeline.status", str(run_dir(root))],
@@ -130,7 +133,8 @@ def test_sigkill_at_three_steps_and_mid_checkpoint_write(
         text=True,
         timeout=120,
     )
-    assert "attempts 4" in status.stdout and "resumes 2" in status.stdout, status.stdout
+    assert "attempts 4" in status.stdout and "resumes 3" in status.stdout, status.stdout
+    assert f"steps lost {sum(r['steps_lost'] for r in resumes)}" in status.stdout, status.stdout
 
 
 def test_sigkill_one_of_two_ranks_with_distributed_optimizer(
@@ -175,3 +179,92 @@ def test_hung_rank_is_detected_dumped_and_exits_with_hang_code(
     led = Ledger(run_dir(root)).read("pretrain")
     assert led and led.status == "completed"
     assert_identical(final_tensors(root), baseline_dp2)
+
+
+def _wait_for(what: str, cond, timeout: float = 300):  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _start(root: Path, *overrides: str, fault: str = "") -> subprocess.Popen[str]:
+    """The command in its own process group, as a terminal would run it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *BASE, f"run.root={root}", *overrides],
+        cwd=REPO,
+        env={**os.environ, "PIPELINE_FAULT": fault},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _progress(root: Path) -> int:
+    p = run_dir(root) / "stages" / "pretrain" / "progress.json"
+    try:
+        return int(json.loads(p.read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def test_group_kill_mid_pretrain_then_an_immediate_rerun_resumes_exactly(
+    data_root: Path, baseline_1: dict, tmp_path: Path
+) -> None:
+    import signal
+
+    root = seeded(data_root, tmp_path)
+    cmd = _start(root, fault="hang@step:3")  # stays at step 3 (the watchdog would fire after 60 s)
+    try:
+        ckpt = run_dir(root) / "stages" / "pretrain" / "checkpoints" / "iter_0000002" / "COMPLETE.json"
+        _wait_for("the step-2 checkpoint", lambda: ckpt.exists() and _progress(root) >= 2)
+    finally:
+        os.killpg(cmd.pid, signal.SIGKILL)  # the command, the job controller, the rank: the whole group
+        cmd.wait()
+    r = run(root)  # at once: the killed job may still be a zombie
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "nothing submitted" not in r.stdout, r.stdout
+    resumes = [m for m in metrics(root) if m["kind"] == "resume"]
+    assert [m["from_step"] for m in resumes] == [2], resumes
+    assert_identical(final_tensors(root), baseline_1)
+
+
+def test_a_stopped_rank_on_the_local_executor_ends_the_job(data_root: Path, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    import psutil
+
+    root = seeded(data_root, tmp_path)
+    hang_s = 20
+    # rank 0 stops making progress at step 3 (its watchdog fires after hang_s), and rank 1 is frozen there
+    cmd = _start(root, *DP2, f"pretrain.hang_timeout_s={hang_s}", fault="hang@step:3/rank=0")
+    ranks: list[psutil.Process] = []
+    try:
+        _wait_for("training", lambda: _progress(root) >= 2)
+        led = Ledger(run_dir(root)).read("pretrain")
+        assert led is not None
+        controller = psutil.Process(int(led.job_ids[0]))
+        ranks = controller.children()
+        assert len(ranks) == 2, ranks
+        frozen = next(p for p in ranks if p.environ().get("SUBMITIT_LOCAL_GLOBALID") == "1")
+        frozen.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc = cmd.wait(timeout=hang_s + 120)  # the hang timeout plus a margin for a loaded machine
+        print(f"command ended {time.monotonic() - t0:.0f} s after the SIGSTOP (hang timeout {hang_s} s)")
+    finally:
+        if cmd.poll() is None:
+            os.killpg(cmd.pid, signal.SIGKILL)
+            cmd.wait()
+        for p in ranks:
+            if p.is_running():
+                p.kill()
+    assert rc == 1
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    led = Ledger(run_dir(root)).read("pretrain")
+    assert led and led.status == "failed", led

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 
 from stages.engine.faults import FaultInjector
 
@@ -54,6 +55,10 @@ _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$|^rng\.rank(\d+)\.pt$")
 _DISTOPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _HASH_BLOCK = 4 << 20
+
+
+WRITE_FAILURES: tuple[type[BaseException], ...] = (Exception, _CheckpointException)
+"""What a failed write raises: torch's CheckpointException (a full disk in the writers) is a BaseException."""
 
 
 class CheckpointError(RuntimeError):
@@ -280,6 +285,7 @@ def save(
     keep_last: int = 2,
     async_save: bool = False,
     final: bool = False,
+    keep_incomplete: int = 1,
 ) -> Path:
     """Save a checkpoint of ``iteration`` under ``ckpt_root``; collective over all ranks.
 
@@ -311,14 +317,26 @@ def save(
     start = time.monotonic()
     is_async = async_save and not final
     _signal_safe_writer_queue()
-    request = dist_checkpointing.save(sharded, str(tmp), async_sharded_save=is_async)
-    torch.save(rng, tmp / f"rng.rank{_rank()}.pt")
+    try:
+        request = dist_checkpointing.save(sharded, str(tmp), async_sharded_save=is_async)
+        torch.save(rng, tmp / f"rng.rank{_rank()}.pt")
+        error = None
+    except WRITE_FAILURES as e:  # a full disk: OSError, or torch's CheckpointException
+        request, error = None, f"rank {_rank()}: writing {tmp} failed: {type(e).__name__}: {_first_line(e)}"
+    errors = [x for x in _all_gather(error) if x]
+    if errors:
+        _discard(tmp)
+        raise CheckpointError("; ".join(errors))
     info = {"iteration": iteration, "final": final, "world_size": _world(), "layout": _layout()}
     faults = FaultInjector(ckpt_root.parent, _rank())
 
     def commit() -> None:
         faults.check("ckpt_write", iteration)
-        _commit(tmp, target, info, keep_last, faults)
+        try:
+            _commit(tmp, target, info, keep_last, faults, keep_incomplete)
+        except CheckpointError:
+            _discard(tmp)
+            raise
         log.info("saved %s in %.2f s%s", target, time.monotonic() - start, " (async)" if is_async else "")
 
     if not is_async:
@@ -329,26 +347,116 @@ def save(
     return target
 
 
+def _first_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, on every rank."""
+    if _world() == 1:
+        return [obj]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _discard(tmp: Path) -> None:
+    """Rank 0 removes the temp dir of a save that failed, so it does not keep a full disk full."""
+    if _rank() == 0 and tmp.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.warning("removed %s: the save failed", tmp)
+
+
+def prune_incomplete(ckpt_root: Path, keep: int) -> list[Path]:
+    """Delete the temp dirs of crashed saves except the newest ``keep`` (by iteration, then age); rank 0.
+
+    Call only while no save of this stage is in flight (at resume, after a commit). Returns what it removed.
+    """
+    if _rank() != 0:
+        return []
+    found = []
+    for p in Path(ckpt_root).glob("tmp.iter_*"):
+        m = re.match(r"^tmp\.iter_(\d{7})\.", p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p.stat().st_mtime, p))
+    removed = []
+    for _, _, p in sorted(found, reverse=True)[keep:]:
+        shutil.rmtree(p, ignore_errors=True)
+        log.warning("removed %s, the temp dir of a crashed save (keep_incomplete=%d)", p, keep)
+        removed.append(p)
+    return removed
+
+
 def _ignore_stop_signals() -> None:
     for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
 
 
+_PR_SET_PDEATHSIG = 1
+_FORK_STATE = {"parent": 0, "main_thread": False}
+
+
+def _die_with_parent() -> None:
+    """In a forked child: be SIGKILLed when the parent dies (Linux prctl), or exit now if it already did.
+
+    The death signal fires when the *thread* that forked ends, so it is set only for forks made by the
+    main thread (megatron's writers and our manager are), whose end is the process's end.
+    """
+    if not _FORK_STATE["main_thread"]:
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: nothing ties the helper to us
+        return
+    if os.getppid() != _FORK_STATE["parent"]:
+        os._exit(1)  # the parent died between the fork and the prctl
+
+
+def _before_fork() -> None:
+    import threading
+
+    _FORK_STATE.update(parent=os.getpid(), main_thread=threading.current_thread() is threading.main_thread())
+
+
+def _tie_forks_to_this_process() -> None:
+    """Every process forked from now on (the manager, megatron's async and per-bucket writers, their own
+    forks) dies with its parent: a SIGKILLed rank or a watchdog exit leaves no writer behind."""
+    global _FORKS_TIED
+    if not _FORKS_TIED:
+        os.register_at_fork(before=_before_fork, after_in_child=_die_with_parent)
+        _FORKS_TIED = True
+
+
+_FORKS_TIED = False
+
+
+def _writer_helper_init() -> None:
+    _ignore_stop_signals()
+    _die_with_parent()
+
+
 def _signal_safe_writer_queue() -> None:
     """Give dist_checkpointing's writer a results queue whose manager survives SLURM's warning signals.
 
-    megatron 0.16-0.19 lazily starts a *spawned* multiprocessing manager for the writers' results. SLURM
+    megatron 0.16-0.19 lazily starts a *spawned* multiprocessing manager for the writers' results (a
+    fresh Python that imports torch: ~1.4 s at the first save, and a resource tracker besides). SLURM
     signals every process of a job step (``--signal``, scancel, preemption), the spawned manager dies of
-    the default action, and the save that the signal asked for fails with BrokenPipeError. Our manager
-    ignores SIGUSR1/SIGUSR2/SIGTERM (the training process owns them); it still dies with SIGKILL and is
-    shut down when the training process exits.
+    the default action, and the save that the signal asked for fails with BrokenPipeError. Ours is
+    *forked* once per process (milliseconds, memory shared copy-on-write, no resource tracker), ignores
+    SIGUSR1/SIGUSR2/TERM (the training process owns them), and dies with the training process
+    (PR_SET_PDEATHSIG), as does every writer forked after it.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    _tie_forks_to_this_process()
     if getattr(filesystem_async, "_results_queue", "missing") is not None:
         return  # already created (by us), or a megatron version without this global
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_ignore_stop_signals)
+    manager = SyncManager(ctx=mp.get_context("fork"))
+    manager.start(initializer=_writer_helper_init)
     filesystem_async._results_queue = manager.Queue()
     global _MANAGER
     _MANAGER = manager
@@ -415,7 +523,12 @@ def _common_state(iteration: int, scheduler: Any, state: dict) -> dict[str, Any]
 
 
 def _commit(
-    tmp: Path, target: Path, info: dict[str, Any], keep_last: int, faults: FaultInjector | None = None
+    tmp: Path,
+    target: Path,
+    info: dict[str, Any],
+    keep_last: int,
+    faults: FaultInjector | None = None,
+    keep_incomplete: int = 1,
 ) -> None:
     """Checksums from every rank -> marker -> rename -> ``latest`` -> retention (rank 0); collective."""
     try:
@@ -426,6 +539,7 @@ def _commit(
     _on_rank0(
         lambda: _commit_on_rank0(tmp, target, info, gathered, keep_last, faults), f"committing {target}"
     )
+    prune_incomplete(target.parent, keep_incomplete)
 
 
 def _commit_on_rank0(
@@ -550,6 +664,7 @@ def _require_committed(path: Path) -> None:
     problems = verify(path, checksums=False)
     if problems:
         raise CheckpointError(f"refusing to load {path}: " + "; ".join(problems))
+    check_loads_without_code(path)
 
 
 def _load_model(model_chunks: list, loaded: dict, path: Path) -> None:
@@ -637,11 +752,24 @@ def _tracker() -> Any:
 
 
 def _rng_state() -> dict[str, Any]:
+    """This rank's RNG states as tensors and plain values only: the file loads with ``weights_only=True``."""
     tracker = _tracker()
+    py_version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
     return {
         "layout": _layout(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {
+            "version": py_version,
+            "state": torch.tensor(py_state, dtype=torch.int64),
+            "gauss": py_gauss,
+        },
+        "numpy": {
+            "name": str(np_name),
+            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_cached),
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "tracker": {k: v.clone() for k, v in tracker.get_states().items()} if tracker else None,
@@ -653,20 +781,134 @@ def _restore_rng(path: Path) -> None:
     if not file.is_file():
         log.warning("%s: missing; RNG states not restored", file)
         return
-    saved = torch.load(file, weights_only=False)
+    saved = _load_plain(file)
     if saved["layout"] != _layout():
         log.warning(
             "%s: saved under layout %s, now %s; RNG states not restored", file, saved["layout"], _layout()
         )
         return
-    random.setstate(saved["python"])
-    np.random.set_state(saved["numpy"])
+    py, npy = saved["python"], saved["numpy"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    np.random.set_state(
+        (
+            npy["name"],
+            npy["keys"].numpy().astype(np.uint32),
+            npy["pos"],
+            npy["has_gauss"],
+            npy["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(saved["torch"])
     if saved["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(saved["cuda"])
     tracker = _tracker()
     if saved["tracker"] and tracker is not None:
         tracker.set_states(saved["tracker"])
+
+
+# ---------------------------------------------------------------------------- loading without running code
+
+
+def _load_plain(file: Path) -> Any:
+    """``torch.load`` with ``weights_only=True``: tensors and plain values, never arbitrary objects."""
+    import pickle
+
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
+        raise CheckpointError(
+            f"{file}: refusing to load: it holds more than tensors and plain values (a checkpoint from "
+            f"an older version, or a crafted one that would run code): {str(e).splitlines()[0]}"
+        ) from None
+
+
+_METADATA_GLOBALS = {
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+}
+"""Globals a DCP ``.metadata`` pickle may name, besides the classes of torch.distributed.checkpoint's
+metadata modules and torch dtypes/layouts/memory formats (see ``_MetadataUnpickler``)."""
+
+_METADATA_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+)
+
+
+class _MetadataUnpickler:
+    """Reads a DCP ``.metadata`` pickle, refusing any global outside the allowlist (nothing else can run)."""
+
+    @staticmethod
+    def load(file: Path) -> Any:
+        import dataclasses
+        import enum
+        import importlib
+        import pickle
+
+        class Restricted(pickle.Unpickler):
+            def find_class(self, module: str, name: str) -> Any:
+                allowed = (module, name) in _METADATA_GLOBALS
+                if not allowed and module in _METADATA_MODULES and "." not in name:
+                    obj = getattr(importlib.import_module(module), name, None)
+                    allowed = isinstance(obj, type) and (
+                        dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+                    )
+                if not allowed and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                    allowed = True
+                if not allowed:
+                    raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+                return super().find_class(module, name)
+
+        with open(file, "rb") as f:
+            return Restricted(f).load()
+
+
+def check_loads_without_code(path: Path) -> None:
+    """Raise CheckpointError unless every pickled part of checkpoint ``path`` loads without running code.
+
+    torch's distributed checkpoint unpickles ``.metadata`` (and any non-tensor "bytes" items) with the
+    full unpickler; megatron's ``common.pt`` and our ``rng.rank*.pt`` are torch pickles. Each is read here
+    first under a restricted unpickler (``.metadata``: torch's checkpoint metadata classes only; ``*.pt``
+    and bytes items: ``weights_only=True``), so the loads that follow meet only allowed objects.
+    """
+    import io
+    import pickle
+
+    path = Path(path)
+    meta_file = path / ".metadata"
+    if meta_file.is_file():
+        try:
+            meta = _MetadataUnpickler.load(meta_file)
+        except Exception as e:
+            raise CheckpointError(
+                f"{meta_file}: refusing to load: not a plain torch checkpoint metadata file ({e})"
+            ) from None
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        storage = getattr(meta, "storage_data", None) or {}
+        for fqn, item in getattr(meta, "state_dict_metadata", {}).items():
+            if not isinstance(item, BytesStorageMetadata):
+                continue
+            for index, info in storage.items():
+                if index.fqn != fqn:
+                    continue
+                with open(path / info.relative_path, "rb") as f:
+                    f.seek(info.offset)
+                    blob = f.read(info.length)
+                try:
+                    torch.load(io.BytesIO(blob), weights_only=True)
+                except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
+                    raise CheckpointError(
+                        f"{path / info.relative_path}: refusing to load item {fqn!r}: it holds more than "
+                        f"tensors and plain values ({str(e).splitlines()[0]})"
+                    ) from None
+    for file in sorted(path.glob("*.pt")):
+        _load_plain(file)
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -682,5 +924,5 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "state.pt"
         dcp_to_torch_save(str(path), str(out))
-        state = torch.load(out, map_location="cpu", weights_only=False)
+        state = torch.load(out, map_location="cpu", weights_only=True)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}

@@ -73,6 +73,7 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
         ckpt = Checkpointer(
             ctx.checkpoint_dir, st.save_interval, resolve_init_from(cfg, ctx), st.keep_last, st.async_save
         )
+        ckpt.keep_incomplete = st.keep_incomplete
         seq_length = st.seq_length or cfg.model.seq_length
         train_source, valid_source = sources(tokenizer, st, seq_length, chunks, ckpt)
         trainer = Trainer(

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 HANG_EXIT_CODE = 86
@@ -86,6 +87,10 @@ def restart_count() -> int:
     return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
+HANG_HOOKS: list[Callable[[], None]] = []
+"""Called by a firing watchdog just before the exit (the local launcher ends the job's other ranks)."""
+
+
 class Watchdog:
     """Exits the process with HANG_EXIT_CODE when ``beat()`` is not called for ``timeout_s`` seconds.
 
@@ -131,4 +136,9 @@ class Watchdog:
         if in_slurm_job() and restart_count() < self.max_requeues:
             requeue_self(f"hang detected after {idle:.0f} s without progress")
         print(f"[watchdog] HangDetected: exiting with code {HANG_EXIT_CODE}", file=sys.stderr, flush=True)
+        for hook in HANG_HOOKS:
+            try:
+                hook()
+            except Exception as e:  # the exit below must happen whatever a hook does
+                print(f"[watchdog] hang hook failed: {e}", file=sys.stderr, flush=True)
         os._exit(HANG_EXIT_CODE)

@@ -102,6 +102,9 @@ def _iterators(batches: list[Batch], chunks: int) -> Iterator[Batch] | list[Iter
     return iter(batches) if chunks == 1 else [iter(batches) for _ in range(chunks)]
 
 
+ATTEMPT_ENV = "PIPELINE_STAGE_ATTEMPT"
+"""Set by the launcher on rank 0: the stage's attempt number (1 = first start), for the resume record."""
+
 # ---------------------------------------------------------------------------- checkpoints
 
 
@@ -130,6 +133,8 @@ class Checkpointer:
         self.failures = 0
         self.max_failures = 3
         """Consecutive failed saves that stop the run."""
+        self.keep_incomplete = 1
+        """Temp dirs of crashed saves kept (newest first); older ones are deleted at resume and after saves."""
         self.init_weights_loaded = False
         """Set when the caller already loaded init_from (rlhf does, for the reference pass)."""
 
@@ -139,6 +144,7 @@ class Checkpointer:
         """Resume from the newest good checkpoint under root (full state, returned); else load init_from weights."""
         from stages.engine import checkpoint
 
+        checkpoint.prune_incomplete(self.root, self.keep_incomplete)
         latest = checkpoint.find_latest(self.root)
         if latest is not None:
             return dict(
@@ -181,7 +187,7 @@ class Checkpointer:
         """
         if not (final or force or step % self.save_interval == 0):
             return
-        from stages.engine.checkpoint import CheckpointError
+        from stages.engine.checkpoint import WRITE_FAILURES
 
         try:
             self.save(
@@ -194,13 +200,20 @@ class Checkpointer:
                 async_save=self.async_save and not force,
             )
             self.failures = 0
-        except (CheckpointError, OSError) as e:
-            self.failures += 1
-            log.error("checkpoint at step %d failed (%d in a row): %s", step, self.failures, e)
-            if final or force or self.failures >= self.max_failures:
-                raise CheckpointError(
-                    f"giving up after {self.failures} failed save(s) in a row; last: {e}"
-                ) from e
+        except WRITE_FAILURES as e:  # CheckpointError, OSError, torch's CheckpointException (a full disk)
+            self._failed(e, give_up=final or force, step=step)
+
+    def _failed(self, e: BaseException, give_up: bool, step: int | None = None) -> None:
+        """Count a failed save; raise when it is the ``max_failures``-th in a row or ``give_up``."""
+        from stages.engine.checkpoint import CheckpointError
+
+        self.failures += 1
+        where = f"at step {step}" if step is not None else "(async)"
+        log.error("checkpoint %s failed (%d in a row): %s: %s", where, self.failures, type(e).__name__, e)
+        if give_up or self.failures >= self.max_failures:
+            raise CheckpointError(
+                f"giving up after {self.failures} failed save(s) in a row; last: {type(e).__name__}: {e}"
+            ) from e
 
     def save(
         self,
@@ -223,6 +236,7 @@ class Checkpointer:
             scheduler=scheduler,
             state=state,
             keep_last=self.keep_last,
+            keep_incomplete=self.keep_incomplete,
             final=final,
             async_save=async_save,
         )
@@ -235,7 +249,11 @@ class Checkpointer:
 
         t0 = time.time()
         pending = checkpoint.pending_async()
-        checkpoint.finalize_async(blocking=blocking)
+        try:
+            checkpoint.finalize_async(blocking=blocking)
+        except checkpoint.WRITE_FAILURES as e:  # an async save's write or commit failed: counted the same
+            self._failed(e, give_up=blocking)
+            return
         if pending > checkpoint.pending_async():
             self.finalize_seconds.append(time.time() - t0)
 
@@ -494,16 +512,20 @@ class Trainer:
         if self.checkpointer is None:
             return
         state = self.checkpointer.restore(self.chunks, self.optimizer, self.scheduler, init_weights)
-        if state is None:
-            return
-        self.iteration = int(state["iteration"])
-        self.skipped_steps = set(state.get("skipped_steps", []))
-        self.guard.load_state(state.get("bad_steps", {}))
-        self.overflow_steps = int(state.get("overflow_steps", 0))
+        attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
+        if state is None and not (self.progress_path and self.progress_path.exists()) and attempt <= 1:
+            return  # a first start
+        if state is not None:
+            self.iteration = int(state["iteration"])
+            self.skipped_steps = set(state.get("skipped_steps", []))
+            self.guard.load_state(state.get("bad_steps", {}))
+            self.overflow_steps = int(state.get("overflow_steps", 0))
         reached, at = self._read_progress()
         self.resume_info = {
             "kind": "resume",
+            "attempt": attempt or None,
             "from_step": self.iteration,
+            "checkpoint": state is not None,
             "reached_step": reached,
             "steps_lost": max(reached - self.iteration, 0),
             "down_s": time.time() - at if at else None,
@@ -530,8 +552,11 @@ class Trainer:
         if p is None or not D.is_rank0():
             return
         tmp = p.with_name(".progress.json.tmp")
-        tmp.write_text(json.dumps({"step": self.iteration, "time": time.time()}))
-        os.replace(tmp, p)
+        try:
+            tmp.write_text(json.dumps({"step": self.iteration, "time": time.time()}))
+            os.replace(tmp, p)
+        except OSError as e:  # a full disk: the accounting is lost, the training goes on
+            log.warning("could not write %s: %s", p, e)
 
     def _stop(self) -> bool:
         """Agreed over all ranks every step, so all stop (and save) at the same step."""
