@@ -16,10 +16,12 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	.venv/bin/lint-imports
+	bash scripts/check_wheel.sh
 	$(PY) -m pytest
 
 lint: setup
-	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy
+	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy && .venv/bin/lint-imports
 
 # The GPU path in one run (scripts/gpu-check.sh; log in $OUT or runs/gpu-check/). Without a GPU it says so and
 # exits 0 with every GPU test skipped. gpu-wheels prepares .gpu-wheels/ for a GPU machine without a registry.
