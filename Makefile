@@ -1,5 +1,5 @@
 # The two commands of the README. Both do all set-up on a fresh machine.
-.PHONY: demo test setup lint
+.PHONY: demo test setup lint gpu-check gpu-wheels
 
 PY := .venv/bin/python
 
@@ -23,3 +23,11 @@ test: setup
 
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy && .venv/bin/lint-imports
+
+# The GPU path in one run (scripts/gpu-check.sh; log in $OUT or runs/gpu-check/). Without a GPU it says so and
+# exits 0 with every GPU test skipped. gpu-wheels prepares .gpu-wheels/ for a GPU machine without a registry.
+gpu-check:
+	@bash scripts/gpu-check.sh
+
+gpu-wheels: setup
+	@bash scripts/gpu-wheels.sh

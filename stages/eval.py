@@ -211,9 +211,13 @@ def evaluate(model: Any, tok: Any, sets: dict[str, Any], cfg: PipelineConfig) ->
 
 
 def _stack(items: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+    """Items stacked into a batch on the engine's device (where the model is)."""
     import torch
 
-    return {k: torch.from_numpy(np.stack([x[k] for x in items])) for k in items[0]}
+    from stages.engine import distributed as D
+
+    dev = D.device()
+    return {k: torch.from_numpy(np.stack([x[k] for x in items])).to(dev) for k in items[0]}
 
 
 def _nll(model: Any, tokens: Any, labels: Any) -> Any:
@@ -221,7 +225,7 @@ def _nll(model: Any, tokens: Any, labels: Any) -> Any:
     import torch
 
     b, s = tokens.shape
-    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     return model(tokens, pos, None, labels=labels).float()
 
 
@@ -233,6 +237,9 @@ def generate(model: Any, tok: Any, prompts: list[str], max_new_tokens: int, seq_
     """
     import torch
 
+    from stages.engine import distributed as D
+
+    dev = D.device()
     seqs = [tok.prompt_ids(p)[-(seq_length - max_new_tokens) :] for p in prompts]
     new: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
@@ -240,13 +247,14 @@ def generate(model: Any, tok: Any, prompts: list[str], max_new_tokens: int, seq_
         if all(done):
             break
         width = max(len(s) for s in seqs)
-        tokens = torch.full((len(seqs), width), tok.pad, dtype=torch.long)
+        rows = np.full((len(seqs), width), tok.pad, dtype=np.int64)
         for i, s in enumerate(seqs):
-            tokens[i, : len(s)] = torch.tensor(s)
-        pos = torch.arange(width).unsqueeze(0).expand(len(seqs), width)
+            rows[i, : len(s)] = s
+        tokens = torch.from_numpy(rows).to(dev)
+        pos = torch.arange(width, device=dev).unsqueeze(0).expand(len(seqs), width)
         logits = model(tokens, pos, None)  # [b, s, padded vocab]
-        last = torch.tensor([len(s) - 1 for s in seqs])
-        nxt = logits[torch.arange(len(seqs)), last, : tok.vocab_size].argmax(-1).tolist()
+        last = torch.tensor([len(s) - 1 for s in seqs], device=dev)
+        nxt = logits[torch.arange(len(seqs), device=dev), last, : tok.vocab_size].argmax(-1).tolist()
         for i, t in enumerate(nxt):
             if done[i]:
                 continue

@@ -18,20 +18,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stages.engine import distributed as D
+
 Batch = dict[str, torch.Tensor]
 LossOut = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
-def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-
-
 def _next_batch(data_iterator: Iterator[Batch]) -> Batch:
-    dev = _device()
+    """The next micro batch, moved to the engine's device (stages.engine.distributed.device)."""
+    dev = D.device()
     return {k: v.to(dev, non_blocking=True) for k, v in next(data_iterator).items()}
 
 

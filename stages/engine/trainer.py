@@ -65,6 +65,12 @@ def build_optimizer(chunks: list[Any], stage: TrainStage, par: ParallelConfig) -
         use_distributed_optimizer=par.distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, chunks)
+    # The schedules multiply the loss by the loss scale only through config.grad_scale_func (Megatron-LM's
+    # training loop sets it; megatron-core does not): without it fp16 gradients come out divided by the
+    # loss scale (2^32 at first) and the model does not learn.
+    from megatron.core.utils import get_model_config
+
+    get_model_config(chunks[0]).grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -329,6 +335,8 @@ class Trainer:
         self.verdict: dict[str, Any] | None = None
         """The last step's ``{"reason", "grad_norm"}`` (reason None: good); None when no update was tried."""
         self._poison = False
+        self.overflow_steps = 0
+        """fp16: steps whose scaled gradients overflowed (no update; megatron's dynamic scaler lowers the scale)."""
 
     @property
     def global_batch(self) -> int:
@@ -374,6 +382,7 @@ class Trainer:
         with self.meter.time("fwd_bwd"):
             outputs = self._forward_backward(batches, False, _poisoned(self.step) if self._poison else None)
         lr = float(self.optimizer.param_groups[0]["lr"])
+        overflows = self.overflow_steps
         with self.meter.time("optimizer"):
             ok, grad_norm = self._judged_optimizer_step(outputs)
         if ok:
@@ -384,6 +393,8 @@ class Trainer:
         out["lr"] = lr
         if par.precision == "fp16":
             out["loss_scale"] = float(self.optimizer.get_loss_scale())
+            out["overflow"] = float(self.overflow_steps > overflows)
+            out["overflow_steps"] = float(self.overflow_steps)
         return out
 
     def _judged_optimizer_step(self, outputs: Sequence[dict[str, torch.Tensor]]) -> tuple[bool, Any]:
@@ -398,10 +409,16 @@ class Trainer:
         prepare = optimizer.prepare_grads
 
         def judged_prepare() -> bool:
-            found_inf = bool(prepare())
-            if not found_inf:  # an fp16 overflow: megatron's own skip, agreed over ranks, not a bad step
-                verdict.update(self._judge(outputs, float(optimizer.get_grad_norm())))
-            return found_inf or verdict.get("reason") is not None
+            found_inf = bool(prepare())  # fp16 only, agreed over ranks: inf/NaN in the scaled gradients
+            if found_inf:
+                judged = self._judge(outputs, float("inf"))
+                if judged["reason"] == "nonfinite_grad":  # finite losses: an overflow, megatron's own skip
+                    self.overflow_steps += 1
+                else:  # a non-finite loss is a bad step in every precision: nan_policy applies
+                    verdict.update(judged)
+                return True
+            verdict.update(self._judge(outputs, float(optimizer.get_grad_norm())))
+            return verdict.get("reason") is not None
 
         optimizer.prepare_grads = judged_prepare
         try:
@@ -503,6 +520,7 @@ class Trainer:
             "consumed_samples": self.iteration * self.global_batch,
             "skipped_steps": sorted(self.skipped_steps),
             "bad_steps": self.guard.state(),
+            "overflow_steps": self.overflow_steps,
         }
 
     def restore(self, init_weights: bool = True) -> None:
@@ -521,6 +539,7 @@ class Trainer:
             self.iteration = int(state["iteration"])
             self.skipped_steps = set(state.get("skipped_steps", []))
             self.guard.load_state(state.get("bad_steps", {}))
+            self.overflow_steps = int(state.get("overflow_steps", 0))
         reached, at = self._read_progress()
         self.resume_info = {
             "kind": "resume",
