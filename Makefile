@@ -10,13 +10,16 @@ setup:
 demo: setup
 	$(PY) -m pipeline
 
-# Everything the tests need (the SLURM cluster's packages, MPI), then the whole suite with lint and types.
+# Everything the tests need (the SLURM cluster's packages, MPI, chromium, tmux), then the whole suite with lint and types.
 test: setup
 	@bash slurm/install.sh
+	@bash scripts/install-test-deps.sh
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	.venv/bin/lint-imports
+	bash scripts/check_wheel.sh
 	$(PY) -m pytest
 
 lint: setup
-	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy
+	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy && .venv/bin/lint-imports

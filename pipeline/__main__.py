@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         if multirun:
             print(f"[sweep] trial {i} of {len(runs)}: {' '.join(trial)}", flush=True)
         codes.append(_execute(cfg))
+    roots = {cfg.run.root for _, cfg in runs}
+    if multirun and len(runs) > 1 and len(roots) == 1:  # one report across the sweep's run directories
+        from pipeline.orchestrate import write_sweep_report
+
+        write_sweep_report(roots.pop())
     return max(codes, default=0)
 
 

@@ -16,12 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STAGES: tuple[str, ...] = ("data_prep", "pretrain", "sft", "rlhf", "eval")
-TRAIN_STAGES: tuple[str, ...] = ("pretrain", "sft", "rlhf")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message starts with the dotted key."""
+from pipeline import graph
+from pipeline.errors import ConfigError
+from pipeline.graph import STAGES, TRAIN_STAGES
 
 
 def _fail(key: str, value: Any, allowed: str) -> None:
@@ -167,12 +164,15 @@ class ModelConfig:
     """Dropout after attention/MLP."""
     attention_dropout: float = num(0.0, ge=0, lt=1)
     """Dropout of attention probabilities."""
+    attention_backend: str = "auto"
+    """Core attention of the local layer spec: sdpa (torch scaled_dot_product_attention, fused), unfused (megatron's DotProductAttention, for comparison), auto = sdpa."""
 
     def __post_init__(self) -> None:
         check_domains(self)
         _choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _choice("activation", self.activation, ("gelu", "swiglu"))
         _choice("position_embedding", self.position_embedding, ("learned_absolute", "rope"))
+        _choice("attention_backend", self.attention_backend, ("auto", "sdpa", "unfused"))
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             _fail(
                 "hidden_size",
@@ -269,6 +269,10 @@ class ClusterConfig:
     """Seconds before the time limit at which SLURM warns the job (SIGUSR1)."""
     max_requeues: int = num(3, ge=0)
     """Times a crashed or hung job asks SLURM to requeue itself."""
+    fs_bandwidth_gb_s: float = num(2.0, gt=0)
+    """Assumed read/write bandwidth one node gets from the shared filesystem, GB/s (the planner's checkpoint save/load/verify times)."""
+    peak_tflops: float | None = num(None, integer=False, gt=0)
+    """Dense peak TFLOP/s of one rank's device in the training precision, the MFU denominator (None: planner.gpu_peak_tflops with GPUs, else the CPU figure measured by bench/bench_matmul.py)."""
 
     def __post_init__(self) -> None:
         check_domains(self)
@@ -426,6 +430,33 @@ class DataPrepStage:
 
 
 @dataclass
+class MonitorConfig:
+    """What a training stage reports besides metrics.jsonl (sinks, rank 0 only) and when it raises an alarm."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to <stage dir>/tensorboard (``tensorboard --logdir <run_dir>``)."""
+    wandb: bool = False
+    """Log to Weights & Biases (pip extra ``wandb``); offline unless WANDB_API_KEY or WANDB_MODE is set."""
+    wandb_project: str = "llm-pipeline"
+    """W&B project; runs are grouped by the run directory's name, one W&B run per stage."""
+    alarm_loss_spike: float = num(3.0, gt=1, or_zero=True)
+    """Alarm when a logged loss exceeds this x the running mean of the previous logged losses; 0 = off."""
+    alarm_grad_norm: float = num(1e5, ge=0)
+    """Alarm when a logged gradient norm exceeds this (or is not finite); 0 = off."""
+    alarm_throughput_drop: float = num(0.5, ge=0, lt=1)
+    """Alarm when tokens/s falls below this fraction of its running median; 0 = off."""
+    alarm_stall_s: float = num(600.0, ge=0)
+    """Alarm when no step ends for this many seconds (the watchdog, hang_timeout_s, may kill later); 0 = off."""
+    alarm_warmup: int = num(3, ge=0)
+    """Logged lines before the loss-spike and throughput alarms compare against their running figures."""
+
+    def __post_init__(self) -> None:
+        check_domains(self)
+        if not self.wandb_project or "/" in self.wandb_project:
+            _fail("wandb_project", self.wandb_project, "must be a non-empty name without '/'")
+
+
+@dataclass
 class TrainStage:
     """A training stage (pretrain, sft, rlhf): the shared loop's settings."""
 
@@ -479,14 +510,21 @@ class TrainStage:
     """Bad steps in a row that stop the run (any nan_policy)."""
     async_save: bool = False
     """Write periodic checkpoints in a background process (the final and stop-request saves stay synchronous)."""
+    pack_examples: bool = False
+    """SFT: pack consecutive examples into each sequence of seq_length tokens (positions restart and attention stays within each example; a sample is then a packed row). Applies to the prompt/response SFT file, not yet to users' chat data (data.sft_paths)."""
+    checkpoint_verify: str = "full"
+    """How a resume checks the newest checkpoint, each rank its own files in parallel: full (every byte against the marker's sha256), sampled (sizes plus 8 sampled 4 MiB blocks per file), sizes."""
     beta: float = num(0.1, gt=0)
     """DPO: strength of the KL anchor to the reference model (rlhf only)."""
     algorithm: str = "dpo"
     """rlhf algorithm: dpo (others plug in here later)."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """TensorBoard / W&B sinks and alarm thresholds (no effect on results)."""
 
     def __post_init__(self) -> None:
         check_domains(self)
         _choice("nan_policy", self.nan_policy, ("skip", "rollback", "stop"))
+        _choice("checkpoint_verify", self.checkpoint_verify, ("full", "sampled", "sizes"))
         if self.warmup_iters >= self.iters:
             # megatron's scheduler asserts warmup < decay steps inside the job
             _fail("warmup_iters", self.warmup_iters, f"must be < iters={self.iters}")
@@ -536,6 +574,8 @@ class PlannerConfig:
     """Memory of one GPU in GiB, as nvidia-smi reports it (H100: 80)."""
     reserve_gb: float = num(4.0, ge=0)
     """GiB per GPU held back for the CUDA context, NCCL buffers and allocator fragmentation."""
+    sha256_gb_s: float = num(1.5, gt=0)
+    """sha256 speed of one rank's core in GB/s (checkpoint verification; about 1.5 with SHA extensions)."""
 
     def __post_init__(self) -> None:
         check_domains(self)
@@ -630,6 +670,7 @@ _DATACLASSES: dict[str, type] = {
     for c in (
         ModelConfig,
         ParallelConfig,
+        MonitorConfig,
         ClusterConfig,
         DataConfig,
         DataSource,
@@ -667,7 +708,7 @@ def build_config(cfg: Any) -> PipelineConfig:
 
 def _check_cross(pc: PipelineConfig) -> None:
     """Relations between keys of different sections, and keys a stage would silently ignore."""
-    from pipeline.plan import check_layout  # local: plan imports this module
+    from pipeline.plan import check_layout
 
     for name in pc.run.stages:
         check_layout(pc, name)
@@ -781,6 +822,8 @@ IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
     "nan_policy": "skip and rollback give bit-identical weights (tests/test_nan_policy.py); stop only ends "
     "the stage",
     "async_save": "checkpoint writing in the background: the saved state is the same",
+    "checkpoint_verify": "how a resume checks checkpoint files: only decides which checkpoint is trusted",
+    "monitor": "sinks (TensorBoard, W&B) and alarm thresholds only observe the run",
 }
 IDENTITY_PARALLEL_KEYS = ("global_batch_size", "precision")
 """The only parallel keys that change results; the rest is the layout, which must not (same weights at step 0
@@ -811,11 +854,9 @@ def stage_hashes(pc: PipelineConfig, with_inputs: bool = True) -> dict[str, str]
     ``with_inputs``: data_prep's hash also covers the contents of its input files
     (``pipeline.data_identity``), so editing a corpus file reruns data_prep and everything downstream.
     """
-    from pipeline.graph import upstream
-
     out: dict[str, str] = {}
     for name in STAGES:
-        ups = {u: out[u] for u in upstream(name)}
+        ups = {u: out[u] for u in graph.upstream(name)}
         own = stage_own_config(pc, name)
         if name == "data_prep" and with_inputs:
             from pipeline.data_identity import inputs_digest
@@ -850,7 +891,14 @@ def register_configs() -> None:
     cs.store(group="parallel", name="schema", node=ParallelConfig)
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+def _conf_dir() -> Path:
+    """``conf/`` next to the packages in a checkout (or a job's code snapshot); ``pipeline/conf`` in a wheel."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "conf"
+    return checkout if (checkout / "config.yaml").is_file() else here / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 
 def compose(

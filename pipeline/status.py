@@ -7,16 +7,17 @@ failed (or which upstream failure keeps it from running).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.alarms import format_alarm, read_alarms
 from pipeline.config import STAGES
 from pipeline.graph import upstream
-from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, Ledger, StageRecord
+from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, Ledger, StageRecord, accounting
+from pipeline.scheduler import job_state
 
 BLOCKED = "blocked"
 """Shown for a stage that will never run because an upstream stage failed (its job cancelled or pending)."""
@@ -35,6 +36,7 @@ class StageView:
     job_ids: str = ""
     stderr: str | None = None
     accounting: str = ""
+    alarms: list[str] = field(default_factory=list)
 
 
 def view(rec: StageRecord | None, stage: str) -> StageView:
@@ -45,8 +47,6 @@ def view(rec: StageRecord | None, stage: str) -> StageView:
     v = StageView(stage, rec.status, rec.error or "", rec.requeues, rec.log, ",".join(rec.job_ids), stderr)
     if rec.executor != "slurm" or rec.status not in ACTIVE or not rec.job_ids:
         return v
-    from pipeline.slurm_submit import job_state
-
     state, reason, runs = job_state(rec.job_ids[-1])
     v.requeues = max(v.requeues, runs - 1)
     _apply_slurm_state(v, rec, state, reason, runs)
@@ -83,31 +83,6 @@ def _name_blockers(views: list[StageView]) -> None:
             v.detail = f"will not run: upstream stage {cause} failed"
 
 
-def accounting(run_dir: Path, stage: str) -> dict[str, Any]:
-    """Fault accounting of a stage from its metrics file: resumes, steps lost, downtime, checkpoint saves."""
-    path = Path(run_dir) / "stages" / stage / "metrics.jsonl"
-    resumes, saves = [], []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("kind") == "resume":
-                resumes.append(rec)
-            elif rec.get("kind") == "checkpoint":
-                saves.append(float(rec.get("save_s", 0.0)))
-    down = [float(r["down_s"]) for r in resumes if r.get("down_s") is not None]
-    return {
-        "resumes": len(resumes),
-        "steps_lost": sum(int(r.get("steps_lost", 0)) for r in resumes),
-        "down_s": down,
-        "checkpoints": len(saves),
-        "checkpoint_save_s_total": sum(saves),
-        "checkpoint_save_s_max": max(saves, default=0.0),
-    }
-
-
 def format_accounting(acc: dict[str, Any], attempts: int) -> str:
     down = ", ".join(f"{d:.0f}s" for d in acc["down_s"]) or "-"
     return (
@@ -130,6 +105,8 @@ def run_status(run_dir: Path) -> list[StageView]:
     views = [view(rec, s) for s in STAGES if (rec := ledger.read(s)) is not None]
     _name_blockers(views)
     _add_accounting(run_dir, ledger, views)
+    for v in views:
+        v.alarms = [format_alarm(a) for a in read_alarms(run_dir, v.stage)]
     return views
 
 
@@ -141,6 +118,9 @@ def format_status(run_dir: Path, views: list[StageView]) -> str:
             lines += [f"{'':<10} log: {v.log}"] + ([f"{'':<10} stderr: {v.stderr}"] if v.stderr else [])
         if v.accounting:
             lines.append(f"{'':<10} {v.accounting}")
+        lines += [f"{'':<10} {a}" for a in v.alarms[-5:]]
+        if len(v.alarms) > 5:
+            lines.append(f"{'':<10} ({len(v.alarms) - 5} earlier alarm(s) in {v.stage}'s metrics.jsonl)")
     failed = [v for v in views if v.state == FAILED]
     if failed:
         lines.append(
@@ -159,12 +139,36 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.cli import not_a_run_dir
 
         return not_a_run_dir(a.run_dir)
-    while True:
-        views = run_status(a.run_dir)
-        print(format_status(a.run_dir, views), flush=True)
-        if not a.watch or not any(v.state in ("submitted", "pending", "running", "requeued") for v in views):
-            return 1 if any(v.state in (FAILED, BLOCKED, CANCELLED) for v in views) else 0
-        time.sleep(a.watch)
+    live = bool(a.watch) and sys.stdout.isatty()
+    try:
+        while True:
+            views = run_status(a.run_dir)
+            text = format_status(a.run_dir, views)
+            if a.watch:
+                text += "\n" + live_lines(a.run_dir, views, a.watch)
+            # a terminal: redraw in place (cursor home, clear screen); a pipe: one block per refresh
+            print(("\x1b[H\x1b[2J" if live else "") + text, flush=True)
+            if not a.watch or not any(v.state in ACTIVE_VIEW for v in views):
+                return 1 if any(v.state in (FAILED, BLOCKED, CANCELLED) for v in views) else 0
+            time.sleep(a.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+ACTIVE_VIEW = ("submitted", "pending", "running", "requeued")
+
+
+def live_lines(run_dir: Path, views: list[StageView], every: float) -> str:
+    """For --watch: each active stage's newest progress line (step, loss, tokens/s, MFU, memory, ETA)."""
+    from pipeline.progress import format_record, last_record
+
+    lines = []
+    for v in views:
+        if v.state in ACTIVE_VIEW:
+            rec = last_record(Path(run_dir) / "stages" / v.stage / "metrics.jsonl", "train")
+            lines.append((rec and format_record(v.stage, rec)) or f"[{v.stage}] no step yet")
+    stamp = time.strftime("%H:%M:%S")
+    return "\n".join(lines + [f"refreshed {stamp}, every {every:g} s (Ctrl-C to quit)"])
 
 
 if __name__ == "__main__":

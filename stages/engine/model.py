@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import ModelConfig, ParallelConfig
+from stages.engine import distributed as D
+from stages.engine.init_weights import init_by_global_name
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,6 +77,7 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization=model.normalization)
+    _set_core_attention(spec, model.attention_backend)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -88,6 +91,13 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
         rope_scaling=model.rotary_scaling,
         vp_stage=vp_stage,
     )
+
+
+def _set_core_attention(spec: Any, backend: str) -> None:
+    """Put ``model.attention_backend``'s core attention (stages.engine.attention) into the local spec."""
+    from stages.engine.attention import core_attention_class
+
+    spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend)
 
 
 def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> list[Any]:
@@ -110,6 +120,7 @@ def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> lis
     wrapped = []
     for i in range(chunks):
         module = _gpt(model, config, vocab, i if chunks > 1 else None)
+        init_by_global_name(module, config, D.base_seed(), D.tp_rank(), par.tp)  # same weights at any layout
         if torch.cuda.is_available():
             module.cuda(torch.cuda.current_device())
         if par.precision != "fp32":

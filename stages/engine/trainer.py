@@ -23,11 +23,14 @@ import numpy as np
 import torch
 
 from pipeline.config import ParallelConfig, TrainStage
+from pipeline.fsio import atomic_write_text
 from stages.context import MetricsWriter
 from stages.engine import distributed as D
 from stages.engine.bad_steps import BadStepError, BadStepGuard, reason_code, reason_from_code
+from stages.engine.callbacks import Callbacks
 from stages.engine.data import collate, sample_range
 from stages.engine.faults import FaultInjector
+from stages.engine.meter import StepMeter
 from stages.engine.signals import Preempted, StopFlag, Watchdog
 from stages.engine.steps import Batch, ReferenceLogpStep
 
@@ -284,6 +287,8 @@ class Trainer:
         faults: FaultInjector | None = None,
         stop_flag: StopFlag | None = None,
         watchdog: Watchdog | None = None,
+        callbacks: Callbacks | None = None,
+        meter: StepMeter | None = None,
     ) -> None:
         par = stage.parallel
         if par.global_batch_size % (par.micro_batch_size * D.dp_size()):
@@ -297,6 +302,10 @@ class Trainer:
         self.metrics = metrics or MetricsWriter(Path("/dev/null"), enabled=False)
         self.checkpointer = checkpointer
         self.faults, self.stop_flag, self.watchdog = faults, stop_flag, watchdog
+        self.callbacks = callbacks or Callbacks()
+        """Sinks and alarms (stages.engine.callbacks): called at train start/end, step end, eval, save, stop."""
+        self.meter = meter or StepMeter()
+        """Time split of each step, TFLOP/s, MFU and memory in the train lines (stages.engine.meter)."""
         self.iteration = 0
         self.resume_info: dict[str, Any] | None = None
         self._start, self._t0, self._window = (
@@ -352,16 +361,21 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         par = self.stage.parallel
-        batches = micro_batches(self.train_source, step, par.global_batch_size, par.micro_batch_size)
-        outputs = self._forward_backward(batches, False, _poisoned(self.step) if self._poison else None)
+        with self.meter.time("data"):
+            batches = micro_batches(self.train_source, step, par.global_batch_size, par.micro_batch_size)
+        with self.meter.time("fwd_bwd"):
+            outputs = self._forward_backward(batches, False, _poisoned(self.step) if self._poison else None)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        ok, grad_norm = self._judged_optimizer_step(outputs)
+        with self.meter.time("optimizer"):
+            ok, grad_norm = self._judged_optimizer_step(outputs)
         if ok:
             self.scheduler.step(increment=1)
         sums = self._sums(outputs)
         out = D.reduce_metrics({n: sums.get(n, (0.0, 0.0)) for n in self.step.metric_names})
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["lr"] = lr
+        if par.precision == "fp16":
+            out["loss_scale"] = float(self.optimizer.get_loss_scale())
         return out
 
     def _judged_optimizer_step(self, outputs: Sequence[dict[str, torch.Tensor]]) -> tuple[bool, Any]:
@@ -530,10 +544,8 @@ class Trainer:
         p = self.progress_path
         if p is None or not D.is_rank0():
             return
-        tmp = p.with_name(".progress.json.tmp")
         try:
-            tmp.write_text(json.dumps({"step": self.iteration, "time": time.time()}))
-            os.replace(tmp, p)
+            atomic_write_text(p, json.dumps({"step": self.iteration, "time": time.time()}), durable=False)
         except OSError as e:  # a full disk: the accounting is lost, the training goes on
             log.warning("could not write %s: %s", p, e)
 
@@ -552,6 +564,7 @@ class Trainer:
         self._start, self._t0, self._window = self.iteration, time.time(), [0, 0.0]
         last: dict[str, float] = {}
         stop = False
+        self.callbacks.emit("on_train_start", self.iteration)
         while self.iteration < st.iters and not stop:
             self._beat()
             if self.faults:
@@ -563,8 +576,9 @@ class Trainer:
             self.iteration += 1
             self.history.append(last)
             self._write_progress()
-            self._log_train(last, time.time() - t_step)
+            logged = self._log_train(last, time.time() - t_step)
             s = self.iteration
+            self.callbacks.emit("on_step_end", s, logged or last, logged=logged is not None)
             if st.eval_interval and s % st.eval_interval == 0 and s < st.iters:
                 self._write_valid(s)
             stop = self._stop()
@@ -584,6 +598,8 @@ class Trainer:
                             "async": self.checkpointer.async_save and not (stop or s == st.iters),
                         }
                     )
+                    self.meter.add("checkpoint", self.checkpointer.save_seconds[-1])
+                    self.callbacks.emit("on_save", s, {"save_s": self.checkpointer.save_seconds[-1]})
         if self.checkpointer is not None:
             self.checkpointer.finalize(blocking=True)
         if stop and self.iteration < st.iters:
@@ -591,6 +607,7 @@ class Trainer:
             self.metrics.write(
                 {"kind": "info", "message": f"stopped at step {self.iteration} (signal {signum}), saved"}
             )
+            self.callbacks.emit("on_stop", self.iteration, {"signal": signum})
             raise Preempted(f"signal {signum} at step {self.iteration}; checkpoint saved")
         valid = (
             self._write_valid(self.iteration)
@@ -598,7 +615,7 @@ class Trainer:
             else None
         )
         saved = self.checkpointer.last_saved if self.checkpointer else None
-        return {
+        summary = {
             "steps": self.iteration,
             "resume": self.resume_info,
             "checkpoint_save_s": self.checkpointer.save_seconds if self.checkpointer else [],
@@ -607,33 +624,37 @@ class Trainer:
             "stopped": self.iteration < st.iters,
             "checkpoint": str(saved) if saved else None,
         }
+        self.callbacks.emit("on_train_end", self.iteration, summary)
+        return summary
 
-    def _log_train(self, last: dict[str, float], step_s: float) -> None:
+    def _log_train(self, last: dict[str, float], step_s: float) -> dict[str, Any] | None:
         """A metrics line every log_interval steps; tokens/s over the steps' compute time since the last line."""
         st, s = self.stage, self.iteration
         self._window[0] += 1
         self._window[1] += step_s
         if not (s % st.log_interval == 0 or s == st.iters or s == self._start + 1):
-            return
+            return None
         tokens = self._window[0] * self.global_batch * self.seq_length * self.step.sequences_per_sample
         elapsed = time.time() - self._t0
-        self.metrics.write(
-            {
-                "kind": "train",
-                "step": s,
-                "iters": st.iters,
-                **last,
-                "tokens_per_s": tokens / max(self._window[1], 1e-9),
-                "elapsed_s": elapsed,
-                "eta_s": elapsed / (s - self._start) * (st.iters - s),
-            }
-        )
+        record = {
+            "kind": "train",
+            "step": s,
+            "iters": st.iters,
+            **last,
+            "tokens_per_s": tokens / max(self._window[1], 1e-9),
+            "elapsed_s": elapsed,
+            "eta_s": elapsed / (s - self._start) * (st.iters - s),
+            **self.meter.fields(int(self._window[0]), self._window[1]),
+        }
+        self.metrics.write(record)
         self._window = [0, 0.0]
+        return record
 
     def _write_valid(self, step: int) -> dict[str, float] | None:
         out = self.evaluate()
         if out is not None:
             self.metrics.write({"kind": "valid", "step": step, **out})
+            self.callbacks.emit("on_eval", step, {"kind": "valid", "step": step, **out})
         return out
 
 
