@@ -66,3 +66,22 @@ def test_generate_layouts_match_single_rank(
     r = launch(2, spec(layout, load_weights=str(single[1])), tmp_path, script=WORKER)
     check(r)
     assert r["greedy_cache"] == single[0]["greedy_cache"]
+
+
+def test_unpad_sampling_params_and_top_p() -> None:
+    import torch
+
+    from stages.engine.generate import SamplingParams, _sample, unpad
+
+    t = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 1]])
+    assert unpad(t, [2, 4], side="left") == [[5, 6], [7, 8, 9, 1]]
+    assert unpad(torch.tensor([[5, 6, 0, 0]]), [2]) == [[5, 6]]
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    # top_p=0.5 keeps only the token holding 0.7 of the mass; top_k=2 never picks the third token
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).expand(200, 3)
+    g = torch.Generator().manual_seed(0)
+    assert set(_sample(logits, SamplingParams(temperature=1.0, top_p=0.5), g).tolist()) == {0}
+    assert set(_sample(logits, SamplingParams(temperature=1.0, top_k=2), g).tolist()) == {0, 1}
