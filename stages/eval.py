@@ -232,38 +232,15 @@ def _nll(model: Any, tokens: Any, labels: Any) -> Any:
 def generate(model: Any, tok: Any, prompts: list[str], max_new_tokens: int, seq_length: int) -> list[str]:
     """Greedy continuations of ``<|user|>{prompt}<|assistant|>`` up to eod (not included) or ``max_new_tokens``.
 
-    The batch is right-padded: with causal attention, pad positions after a sequence's end do not change
-    the logits at its last real token, which is the one read.
+    Batched, with the KV cache, on the model's device: the engine's generator (stages/engine/generate.py).
     """
-    import torch
+    from stages.engine.generate import SamplingParams
+    from stages.engine.generate import generate as engine_generate
 
-    from stages.engine import distributed as D
-
-    dev = D.device()
     seqs = [tok.prompt_ids(p)[-(seq_length - max_new_tokens) :] for p in prompts]
-    new: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    for _ in range(max_new_tokens):
-        if all(done):
-            break
-        width = max(len(s) for s in seqs)
-        rows = np.full((len(seqs), width), tok.pad, dtype=np.int64)
-        for i, s in enumerate(seqs):
-            rows[i, : len(s)] = s
-        tokens = torch.from_numpy(rows).to(dev)
-        pos = torch.arange(width, device=dev).unsqueeze(0).expand(len(seqs), width)
-        logits = model(tokens, pos, None)  # [b, s, padded vocab]
-        last = torch.tensor([len(s) - 1 for s in seqs], device=dev)
-        nxt = logits[torch.arange(len(seqs), device=dev), last, : tok.vocab_size].argmax(-1).tolist()
-        for i, t in enumerate(nxt):
-            if done[i]:
-                continue
-            if t == tok.eod:
-                done[i] = True
-                continue
-            seqs[i].append(t)
-            new[i].append(t)
-    return [tok.decode(ids) for ids in new]
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_tokens=(tok.eod,))
+    out = engine_generate([model], seqs, params, vocab_size=tok.vocab_size, pad_id=tok.pad)
+    return [tok.decode(ids) for ids in out.tokens]
 
 
 def _iteration(ckpt: Path) -> int | None:

@@ -263,3 +263,25 @@ def all_gather_object(obj: Any) -> list[Any]:
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()
+
+
+# ---------------------------------------------------------------------------- pipeline point-to-point
+
+
+def pp_group() -> Any:
+    return _ps().get_pipeline_model_parallel_group()
+
+
+def pp_next_rank() -> int:
+    """Global rank of the next pipeline stage (wraps from the last stage to the first)."""
+    return int(_ps().get_pipeline_model_parallel_next_rank())
+
+
+def pp_prev_rank() -> int:
+    """Global rank of the previous pipeline stage (wraps from the first stage to the last)."""
+    return int(_ps().get_pipeline_model_parallel_prev_rank())
+
+
+def pp_last_rank() -> int:
+    """Global rank of this rank's last pipeline stage."""
+    return int(_ps().get_pipeline_model_parallel_last_rank())
