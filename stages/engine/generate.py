@@ -200,8 +200,9 @@ def _generate(
     pos_all = (valid.long().cumsum(-1) - 1).clamp(min=0)
     causal = torch.tril(torch.ones(total, total, dtype=torch.bool, device=dev))
     eye = torch.eye(total, dtype=torch.bool, device=dev)
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(params.seed)
+    gen = (
+        None if params.temperature == 0 else torch.Generator(device=dev).manual_seed(params.seed)
+    )  # greedy: none
     stop = torch.tensor(list(params.stop_tokens) or [-1], dtype=torch.long, device=dev)
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     stopped = torch.zeros(b, dtype=torch.bool, device=dev)
