@@ -21,9 +21,11 @@ isolation=()  # build with .venv's setuptools when it has one (no download); els
   && isolation=(--no-build-isolation)
 "$PY" -m pip --disable-pip-version-check -q wheel --no-deps "${isolation[@]}" -w "$tmp/dist" "$tmp/src"
 wheel=$(ls "$tmp"/dist/llm_pipeline-*.whl)
-unzip -l "$wheel" | grep -q "pipeline/conf/config.yaml" || { echo "check_wheel: conf/ missing from $wheel"; exit 1; }
+unzip -l "$wheel" > "$tmp/wheel.txt"  # (no `| grep -q` under pipefail: an early exit of grep fails the pipe)
+grep -q "pipeline/conf/config.yaml" "$tmp/wheel.txt" || { echo "check_wheel: conf/ missing from $wheel"; exit 1; }
 
-# 2. a fresh venv that sees .venv's dependencies (as .venv does: the system's site-packages, plus .venv's\n#    own as a plain path entry, so .venv's editable install of this checkout stays off)
+# 2. a fresh venv that sees .venv's dependencies (as .venv does: the system's site-packages, plus .venv's
+#    own as a plain path entry, so .venv's editable install of this checkout stays off)
 "$("$PY" -c 'import sys; print(sys._base_executable)')" -m venv --without-pip --system-site-packages "$tmp/venv"
 site=$("$tmp/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 "$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$site/_ci_dependencies.pth"
@@ -41,6 +43,7 @@ done
 "$tmp/venv/bin/llm-pipeline-plan" experiment=tiny > /dev/null
 "$tmp/venv/bin/llm-pipeline-status" --help > /dev/null
 "$tmp/venv/bin/llm-pipeline-cancel" --help > /dev/null
-COMP_LINE="llm-pipeline mod" "$tmp/venv/bin/llm-pipeline" -sc query=bash | grep -q "model=" \
+COMP_LINE="llm-pipeline mod" "$tmp/venv/bin/llm-pipeline" -sc query=bash > "$tmp/complete.txt"
+grep -q "model=" "$tmp/complete.txt" \
   || { echo "check_wheel: Hydra tab completion of llm-pipeline gave no model= option"; exit 1; }
 echo "check_wheel: wheel installs and runs (dry run of the default graph) in $(( $(date +%s) - start )) s"
