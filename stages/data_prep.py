@@ -36,6 +36,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 import warnings
@@ -64,6 +66,8 @@ _SPLIT, _HELD_OUT, _SFT, _PREF, _MIX, _EVAL_PREF = range(6)
 
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
+    if _needs_mpiexec(cfg):
+        return _run_under_mpiexec(cfg, ctx)
     os.environ["RAYON_NUM_THREADS"] = str(cfg.data_prep.threads)  # before tokenizers starts its pool
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     world = _world(cfg, Path(ctx.out_dir))
@@ -538,9 +542,68 @@ class _FileWorld(_World):
 _MPI_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 
 
+def _under_mpi() -> bool:
+    return any(int(os.environ.get(k, "1") or 1) > 1 for k in _MPI_ENV)
+
+
+def _needs_mpiexec(cfg: PipelineConfig) -> bool:
+    """data_prep.launcher=mpi outside SLURM: this single job task starts the MPI world itself."""
+    dp = cfg.data_prep.parallel.dp or 1
+    return cfg.data_prep.launcher == "mpi" and dp > 1 and cfg.cluster.executor != "slurm" and not _under_mpi()
+
+
+def mpiexec_path() -> str:
+    """The venv's mpiexec (pip ``mpich`` wheel, next to the interpreter), else the one on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    found = str(here) if here.is_file() else shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError(
+            "data_prep.launcher=mpi: no mpiexec next to the interpreter nor on PATH; install the `mpich` "
+            "package (pip install mpich) or set data_prep.launcher=files"
+        )
+    return found
+
+
+def _run_under_mpiexec(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
+    """``mpiexec -n dp python -m stages.data_prep``: the ranks form one MPI world (mpi4py); rank 0 writes
+    the stage's outputs to a file this process returns."""
+    out = Path(ctx.out_dir)
+    work = out.parent / f".{out.name}.mpi-{uuid.uuid4().hex[:8]}"
+    work.mkdir(parents=True)
+    try:
+        (work / "config.json").write_text(json.dumps(cfg.to_dict()))
+        args = {"run_dir": str(ctx.run_dir), "stage": ctx.stage, "out_dir": str(out)}
+        (work / "context.json").write_text(json.dumps(args))
+        n = str(cfg.data_prep.parallel.dp)
+        cmd = [mpiexec_path(), "-n", n, sys.executable, "-m", "stages.data_prep", str(work)]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        print(f"[data_prep] launching {n} MPI ranks: {' '.join(cmd)}", flush=True)
+        rc = subprocess.run(cmd, env=env, check=False).returncode
+        result = work / "result.json"
+        if rc != 0 or not result.is_file():
+            raise RuntimeError(f"data_prep under mpiexec failed (exit {rc}): see the ranks' output above")
+        return dict(json.loads(result.read_text()))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _mpi_rank_main(work: Path) -> None:
+    """One rank started by ``_run_under_mpiexec``."""
+    from pipeline.config import from_dict
+
+    cfg = from_dict(json.loads((work / "config.json").read_text()))
+    a = json.loads((work / "context.json").read_text())
+    ctx = StageContext(run_dir=Path(a["run_dir"]), stage=a["stage"], out_dir=Path(a["out_dir"]))
+    out = main(cfg, ctx)
+    if _world(cfg).rank == 0:
+        tmp = work / ".result.json.tmp"
+        tmp.write_text(json.dumps(out, default=str))
+        os.replace(tmp, work / "result.json")
+
+
 def _world(cfg: PipelineConfig, out: Path | None = None) -> _World:
     env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    mpi = any(int(os.environ.get(k, "1") or 1) > 1 for k in _MPI_ENV)
+    mpi = _under_mpi()
     if not mpi and env_world > 1 and cfg.data.corpus == "sources" and out is not None:
         return _FileWorld(int(os.environ.get("RANK", "0") or 0), env_world, out / f".world-{_job_nonce()}")
     if not mpi:
@@ -793,3 +856,7 @@ def _expand_any(patterns: list[str], key: str) -> list[Path]:
             raise ValueError(f"{key}: pattern {pat!r} matches no file")
         files += hits
     return files
+
+
+if __name__ == "__main__":
+    _mpi_rank_main(Path(sys.argv[1]))

@@ -285,7 +285,8 @@ def test_source_config_errors_name_the_key(tmp_path: Path) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_two_ranks_under_the_local_executor_byte_identical_to_one(tmp_path: Path) -> None:
-    """``data_prep.parallel.dp=2``: the local executor starts 2 processes that share the units through files."""
+    """``data_prep.parallel.dp=2``: the local executor starts 2 processes that share the units through files
+    (launcher=files), or its one task runs ``mpiexec -n 2`` and the ranks use mpi4py (launcher=mpi)."""
     import subprocess
     import sys
 
@@ -307,14 +308,15 @@ def test_two_ranks_under_the_local_executor_byte_identical_to_one(tmp_path: Path
         "data_prep.threads=1",
     ]
     shared = []
-    for n in (1, 2):
+    for n, launcher in ((1, "files"), (2, "files"), (2, "mpi")):
         r = subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "pipeline",
-                f"run.root={tmp_path / f'r{n}'}",
+                f"run.root={tmp_path / f'r{n}{launcher}'}",
                 f"data_prep.parallel.dp={n}",
+                f"data_prep.launcher={launcher}",
                 *common,
             ],
             cwd=Path(__file__).resolve().parent.parent,
@@ -323,13 +325,17 @@ def test_two_ranks_under_the_local_executor_byte_identical_to_one(tmp_path: Path
             timeout=300,
         )
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        (d,) = [p for p in (tmp_path / f"r{n}" / ".data").glob("data_prep-*") if p.is_dir()]
+        (d,) = [p for p in (tmp_path / f"r{n}{launcher}" / ".data").glob("data_prep-*") if p.is_dir()]
         assert json.loads((d / "outputs.json").read_text())["ranks"] == n
         shared.append(d)
     names = sorted(read_manifest(shared[0])["files"]) + ["manifest.json"]
     assert any(n.startswith("text_train-") for n in names)
+    # launcher=mpi: the local job had one task; its 2 ranks (outputs "ranks") came from mpiexec
+    logs = "".join(p.read_text() for p in (tmp_path / "r2mpi").rglob("*_log.out"))
+    assert "launching 2 MPI ranks" in logs, logs[-2000:]
     for name in names:
-        assert (shared[0] / name).read_bytes() == (shared[1] / name).read_bytes(), name
+        for other in shared[1:]:
+            assert (shared[0] / name).read_bytes() == (other / name).read_bytes(), (name, other)
 
 
 @pytest.mark.slow

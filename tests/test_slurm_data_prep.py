@@ -1,0 +1,51 @@
+"""data_prep with 2 ranks on 2 nodes of the local SLURM cluster: output byte-identical to 1 rank."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from slurm_helpers import TINY, fail_text, pipeline, run_dirs, wait_settled
+
+from stages.engine.data import read_manifest
+
+pytestmark = pytest.mark.slurm
+
+WORDS = "the a of data rank node shard token merge split blend file line".split()
+
+
+@pytest.mark.timeout(600)
+def test_data_prep_on_two_nodes_byte_identical_to_one_rank(cluster, tmp_path):
+    rng = np.random.default_rng(0)
+    for f in range(3):
+        lines = [f"f{f} {i}: " + " ".join(rng.choice(WORDS, size=20)) for i in range(120)]
+        (tmp_path / f"c{f}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    common = [
+        *TINY,
+        "run.stages=[data_prep]",
+        "data.corpus=sources",
+        f"data.sources=[{{path: '{tmp_path}/*.jsonl'}}]",
+        "data.shard_mb=0.01",
+        "data_prep.threads=1",
+    ]
+    outs = []
+    for n in (1, 2):
+        r = pipeline(
+            cluster,
+            *common,
+            f"run.root={tmp_path / f'r{n}'}",
+            f"data_prep.parallel.dp={n}",
+            f"data_prep.parallel.nodes={n}",
+        )
+        assert r.returncode == 0, fail_text(r)
+        [run_dir] = run_dirs(r.stdout)
+        views = wait_settled(run_dir, ["data_prep"], deadline_s=300)
+        assert views["data_prep"].state == "completed", views
+        (d,) = [p for p in (tmp_path / f"r{n}" / ".data").glob("data_prep-*") if p.is_dir()]
+        assert json.loads((d / "outputs.json").read_text())["ranks"] == n
+        outs.append(d)
+    names = sorted(read_manifest(outs[0])["files"]) + ["manifest.json"]
+    assert any(n.startswith("text_train-") for n in names)
+    for name in names:
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
