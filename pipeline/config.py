@@ -348,7 +348,7 @@ class DataConfig:
     max_corpus_mb: float | None = num(None, integer=False, gt=0)
     """Use at most this many MB of the corpus (None: all of it)."""
     tokenizer_path: str | None = None
-    """A tokenizer.json to use instead of training one."""
+    """A tokenizer.json, HF tokenizer directory or SentencePiece unigram .model to use instead of training one."""
     vocab_size: int = num(4096, ge=272)
     """BPE vocabulary size when training the tokenizer."""
     valid_fraction: float = num(0.02, ge=0, le=0.5)

@@ -314,7 +314,7 @@ def build_tokenizer(d: DataConfig, train_docs: list[str]) -> Any:
     if p.is_dir():
         p = p / "tokenizer.json"
     try:
-        hf = HFTokenizer.from_file(str(p))
+        hf = sentencepiece_tokenizer(p) if p.suffix == ".model" else HFTokenizer.from_file(str(p))
     except Exception as e:  # missing file or bad JSON: tokenizers raises a plain Exception
         raise ValueError(f"data.tokenizer_path={d.tokenizer_path!r}: cannot load {p}: {e}") from e
     missing = [tok for tok in SPECIAL_TOKENS.values() if hf.token_to_id(tok) is None]
@@ -324,6 +324,27 @@ def build_tokenizer(d: DataConfig, train_docs: list[str]) -> Any:
             stacklevel=2,
         )
         hf.add_special_tokens([AddedToken(tok, special=True) for tok in missing])
+    return hf
+
+
+def sentencepiece_tokenizer(path: Path) -> Any:
+    """A SentencePiece unigram ``.model`` as a HF ``tokenizers`` Tokenizer: the same pieces, scores and ids
+    (unigram model, metaspace pre-tokenizer and decoder); normalization is NFKC with whitespace runs made one
+    space (SentencePiece's default nmt_nfkc, up to its rare character rules)."""
+    import sentencepiece as spm
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    vocab = [(sp.id_to_piece(i), float(sp.get_score(i))) for i in range(sp.get_piece_size())]
+    hf = HFTokenizer(models.Unigram(vocab, unk_id=sp.unk_id(), byte_fallback=False))
+    hf.normalizer = normalizers.Sequence(
+        [normalizers.NFKC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Strip()]
+    )
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    hf.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
     return hf
 
 
