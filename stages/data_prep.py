@@ -24,8 +24,10 @@ Steps (``main``):
    A stale manifest is deleted before anything else is written, and every file goes to a temporary
    name first and is renamed, so a directory with a manifest is always complete and consistent.
 
-Ranks started by the job launcher without MPI (``WORLD_SIZE`` > 1 but one MPI rank each) cannot
-share work: rank 0 does everything and the others return at once. Output depends only on the
+Ranks started by the job launcher without MPI (``WORLD_SIZE`` > 1 but one MPI rank each) share the
+work through files with ``corpus=sources`` (``_FileWorld``); otherwise rank 0 does everything and the
+others return at once. ``data_prep.launcher=mpi`` runs the ranks as one MPI world (``mpiexec -n dp``
+started by this stage locally, ``srun --mpi`` on SLURM). Output depends only on the
 ``data`` config, never on the number of ranks or threads.
 """
 
