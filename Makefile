@@ -16,7 +16,9 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	.venv/bin/lint-imports
+	bash scripts/check_wheel.sh
 	$(PY) -m pytest
 
 lint: setup
-	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy
+	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy && .venv/bin/lint-imports

@@ -18,11 +18,12 @@ def cancel_run(run_dir: Path) -> list[str]:
     ledger = Ledger(run_dir)
     done = []
     for s in STAGES:
-        rec = ledger.read(s)
-        if not rec or rec.status not in ACTIVE:
-            continue
-        # ledger first: a running job stopped by the cancel sees it and neither requeues nor marks itself failed
-        ledger.update(s, status=CANCELLED, ended_at=time.time(), error="cancelled by user")
+        with ledger.lock():  # read and mark as one step: a job or a re-run updating the record waits
+            rec = ledger.read(s)
+            if not rec or rec.status not in ACTIVE:
+                continue
+            # ledger first: a running job stopped by the cancel sees it and neither requeues nor marks itself failed
+            ledger.update(s, status=CANCELLED, ended_at=time.time(), error="cancelled by user")
         _cancel_jobs(rec.executor, rec.job_ids)
         ledger.event("cancelled", s, job_ids=rec.job_ids)
         done.append(s)

@@ -16,12 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STAGES: tuple[str, ...] = ("data_prep", "pretrain", "sft", "rlhf", "eval")
-TRAIN_STAGES: tuple[str, ...] = ("pretrain", "sft", "rlhf")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message starts with the dotted key."""
+from pipeline import graph
+from pipeline.errors import ConfigError
+from pipeline.graph import STAGES, TRAIN_STAGES
 
 
 def _fail(key: str, value: Any, allowed: str) -> None:
@@ -672,7 +669,7 @@ def build_config(cfg: Any) -> PipelineConfig:
 
 def _check_cross(pc: PipelineConfig) -> None:
     """Relations between keys of different sections, and keys a stage would silently ignore."""
-    from pipeline.plan import check_layout  # local: plan imports this module
+    from pipeline.plan import check_layout
 
     for name in pc.run.stages:
         check_layout(pc, name)
@@ -818,11 +815,9 @@ def stage_hashes(pc: PipelineConfig, with_inputs: bool = True) -> dict[str, str]
     ``with_inputs``: data_prep's hash also covers the contents of its input files
     (``pipeline.data_identity``), so editing a corpus file reruns data_prep and everything downstream.
     """
-    from pipeline.graph import upstream
-
     out: dict[str, str] = {}
     for name in STAGES:
-        ups = {u: out[u] for u in upstream(name)}
+        ups = {u: out[u] for u in graph.upstream(name)}
         own = stage_own_config(pc, name)
         if name == "data_prep" and with_inputs:
             from pipeline.data_identity import inputs_digest
@@ -857,7 +852,14 @@ def register_configs() -> None:
     cs.store(group="parallel", name="schema", node=ParallelConfig)
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+def _conf_dir() -> Path:
+    """``conf/`` next to the packages in a checkout (or a job's code snapshot); ``pipeline/conf`` in a wheel."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "conf"
+    return checkout if (checkout / "config.yaml").is_file() else here / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 
 def compose(

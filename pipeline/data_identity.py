@@ -23,9 +23,11 @@ import importlib.util
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from pipeline.fsio import atomic_write_text, locked
 
 FINGERPRINTS = "fingerprints.json"
 SHARED = ".data"
@@ -121,9 +123,7 @@ def fingerprints(pc: Any, save: bool = False) -> dict[str, dict[str, Any]]:
             cache_path.parent.mkdir(parents=True, exist_ok=True)
     if (changed or save) and cache_path.parent.is_dir():  # .data/ is made at submission, never by planning
         with contextlib.suppress(OSError):
-            tmp = cache_path.with_name(f".{FINGERPRINTS}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, sort_keys=True))
-            os.replace(tmp, cache_path)
+            atomic_write_text(cache_path, json.dumps(cache, sort_keys=True), durable=False)
     return out
 
 
@@ -134,19 +134,20 @@ def inputs_digest(pc: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def shared_data_dir(pc: Any) -> Path:
-    """Where data prepared with this config and these inputs lives: ``<run.root>/.data/data_prep-<hash>``."""
-    from pipeline.config import stage_hashes
+def shared_data_dir(pc: Any, data_prep_hash: str) -> Path:
+    """Where data prepared with this config and these inputs lives: ``<run.root>/.data/data_prep-<hash>``.
 
-    return Path(pc.run.root).resolve() / SHARED / f"data_prep-{stage_hashes(pc)['data_prep']}"
+    ``data_prep_hash`` is the stage's identity (``config.stage_hashes(pc)["data_prep"]``, inputs included).
+    """
+    return Path(pc.run.root).resolve() / SHARED / f"data_prep-{data_prep_hash}"
 
 
-def link_shared_data(pc: Any, stage_dir: Path) -> Path:
+def link_shared_data(pc: Any, stage_dir: Path, data_prep_hash: str) -> Path:
     """Point ``stage_dir`` (``run_dir/stages/data_prep``) at the shared copy for this identity; returns it.
 
     A real directory left there by an older version stays as it is (not shared).
     """
-    target = shared_data_dir(pc)
+    target = shared_data_dir(pc, data_prep_hash)
     target.mkdir(parents=True, exist_ok=True)
     stage_dir.parent.mkdir(parents=True, exist_ok=True)
     if stage_dir.is_symlink():
@@ -162,18 +163,6 @@ def link_shared_data(pc: Any, stage_dir: Path) -> Path:
     return target
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    import fcntl
-
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def shared_data_prep(pc: Any, out_dir: Path, prepare: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Run ``prepare`` unless the shared copy behind ``out_dir`` is complete; rank 0 holds a lock meanwhile.
 
@@ -186,13 +175,11 @@ def shared_data_prep(pc: Any, out_dir: Path, prepare: Callable[[], dict[str, Any
     # rank 0 decides (reuse or prepare) under the lock and tells the job's other ranks through a file
     nonce = f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}".replace("/", "_")
     decision = out / f".decision-{nonce}"
-    lock = _locked(out.parent / f"{out.name}.lock") if rank == 0 else contextlib.nullcontext()
+    lock = locked(out.parent / f"{out.name}.lock") if rank == 0 else contextlib.nullcontext()
     with lock:
         if rank == 0:
             reuse = done.is_file() and (out / "manifest.json").is_file()
-            tmp = decision.with_name(decision.name + ".tmp")
-            tmp.write_text("reuse" if reuse else "prepare")
-            os.replace(tmp, decision)
+            atomic_write_text(decision, "reuse" if reuse else "prepare", durable=False)
         else:
             while not decision.is_file():
                 time.sleep(0.05)
@@ -205,9 +192,7 @@ def shared_data_prep(pc: Any, out_dir: Path, prepare: Callable[[], dict[str, Any
         if rank == 0 and outputs.get("data_dir"):
             outputs["inputs"] = fingerprints(pc)
             outputs["shared_dir"] = str(out)
-            tmp = done.with_name(".outputs.json.tmp")
-            tmp.write_text(json.dumps(outputs, sort_keys=True, default=str))
-            os.replace(tmp, done)
+            atomic_write_text(done, json.dumps(outputs, sort_keys=True, default=str))
     return outputs
 
 

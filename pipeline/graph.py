@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.config import STAGES, TRAIN_STAGES, ConfigError
+from pipeline.errors import ConfigError
 
 # Each stage and the stages whose outputs it reads.
 DEPENDS: dict[str, tuple[str, ...]] = {
@@ -12,6 +12,10 @@ DEPENDS: dict[str, tuple[str, ...]] = {
     "rlhf": ("data_prep", "sft"),
     "eval": ("data_prep", "pretrain", "sft", "rlhf"),
 }
+STAGES: tuple[str, ...] = tuple(DEPENDS)
+"""Every stage, in the order they run."""
+TRAIN_STAGES: tuple[str, ...] = ("pretrain", "sft", "rlhf")
+"""The stages that train a model with the engine."""
 
 
 def upstream(stage: str) -> tuple[str, ...]:

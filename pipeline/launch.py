@@ -19,6 +19,7 @@ from typing import Any
 
 from pipeline.config import PipelineConfig, from_dict, stage_hashes
 from pipeline.graph import upstream
+from pipeline.jobenv import free_port, requeue_self, restart_count  # noqa: F401  (free_port re-exported)
 from pipeline.ledger import (
     CANCELLED,
     COMPLETED,
@@ -44,13 +45,6 @@ def job_folder(run_dir: Path, stage: str) -> Path:
     return Path(run_dir) / "jobs" / stage
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now (for the local executor's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def snapshot_code(run_dir: Path) -> Path:
     """Copy the code into the run directory so queued jobs run it as it was when submitted."""
     dest = Path(run_dir) / "code" / time.strftime("%Y%m%d-%H%M%S")
@@ -60,6 +54,8 @@ def snapshot_code(run_dir: Path) -> Path:
         dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
     tmp = dest.with_name(dest.name + ".tmp")
     for d in CODE_DIRS:
+        if not (REPO_ROOT / d).is_dir():
+            continue  # an installed wheel: conf/ travels inside pipeline/
         shutil.copytree(REPO_ROOT / d, tmp / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     tmp.rename(dest)
     return dest
@@ -228,7 +224,7 @@ def run_stage(
             end_local_job()
         raise
     if rank == 0:
-        from pipeline.status import accounting
+        from pipeline.ledger import accounting
 
         extra = {
             **((ledger.read(stage) or StageRecord(stage)).extra),
@@ -299,7 +295,7 @@ def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> None:
 
 def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseException) -> None:
     """Ledger entry for a stage that did not complete: stopped on a signal, requeued, or failed."""
-    from stages.engine.signals import Preempted, requeue_self, restart_count
+    from stages.engine.signals import Preempted
 
     err = f"{type(e).__name__}: {e}"
     rec = ledger.read(stage)
@@ -332,7 +328,7 @@ def _call_stage(stage: str, cfg: PipelineConfig, run_dir: Path) -> dict[str, Any
     if stage == "data_prep":  # one prepared copy per data identity, shared under run.root
         from pipeline.data_identity import link_shared_data, shared_data_prep
 
-        link_shared_data(cfg, ctx.out_dir)
+        link_shared_data(cfg, ctx.out_dir, stage_hashes(cfg)["data_prep"])
         module = importlib.import_module("stages.data_prep")
         return shared_data_prep(cfg, ctx.out_dir, lambda: dict(module.main(cfg, ctx) or {}))
     ctx.out_dir.mkdir(parents=True, exist_ok=True)

@@ -11,14 +11,16 @@ Layout of a run directory (``runs/<run.name>-<run_hash>``)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pipeline.fsio import atomic_write_text, locked  # noqa: F401  (atomic_write_text re-exported)
 
 # Stage statuses. "completed" is the only one downstream stages may rely on. "stopped": saved and exited on
 # a signal (re-running resumes it); "requeued": SLURM was asked to run the job again.
@@ -63,28 +65,25 @@ class StageRecord:
         return cls(**known)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same folder, fsync, rename: readers see old or new."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 class Ledger:
-    """Reads and writes a run directory's records. Safe to use from the submitter and from rank 0 of a job."""
+    """Reads and writes a run directory's records. Safe to use from the submitter and from rank 0 of a job.
+
+    Writers serialise on ``run_dir/ledger/.lock`` (a POSIX record lock, honoured across the nodes of a
+    shared filesystem): every ``update`` is one read-modify-write under it, so two commands on one run
+    directory (a re-run while ``cancel`` runs, two sweep launchers, a job's rank 0) never lose each other's
+    fields. ``with ledger.lock():`` makes a longer check-then-update sequence atomic. Readers need no lock:
+    records are replaced atomically.
+    """
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         self.dir = self.run_dir / "ledger"
         self.events_path = self.run_dir / "events.jsonl"
+        self.lock_path = self.dir / ".lock"
+
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        """Exclusive hold on this run directory's ledger (re-entrant within a process)."""
+        return locked(self.lock_path)
 
     def path(self, stage: str) -> Path:
         return self.dir / f"{stage}.json"
@@ -96,32 +95,35 @@ class Ledger:
         return StageRecord.from_dict(json.loads(p.read_text()))
 
     def write(self, record: StageRecord) -> None:
-        atomic_write_text(
-            self.path(record.stage), json.dumps(asdict(record), indent=2, sort_keys=True, default=str)
-        )
+        text = json.dumps(asdict(record), indent=2, sort_keys=True, default=str)
+        with self.lock():
+            atomic_write_text(self.path(record.stage), text)
 
     def update(self, stage: str, **fields: Any) -> StageRecord:
-        rec = self.read(stage) or StageRecord(stage=stage)
-        for k, v in fields.items():
+        for k in fields:
             if k not in StageRecord.__dataclass_fields__:
                 raise KeyError(f"unknown ledger field {k!r}")
-            setattr(rec, k, v)
-        self.write(rec)
+        with self.lock():
+            rec = self.read(stage) or StageRecord(stage=stage)
+            for k, v in fields.items():
+                setattr(rec, k, v)
+            self.write(rec)
         return rec
 
     def event(self, kind: str, stage: str | None = None, **data: Any) -> None:
-        """Append one event line (O_APPEND: concurrent writers do not interleave lines)."""
+        """Append one event line (under the ledger lock, O_APPEND: concurrent writers never interleave lines)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         rec = {"time": time.time(), "event": kind, "stage": stage, "host": socket.gethostname(), **data}
         line = json.dumps(rec, default=str) + "\n"
-        fd = os.open(self.events_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":
-                line = "\n" + line  # a crash cut the last line: start on a fresh one
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+        with self.lock():
+            fd = os.open(self.events_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":
+                    line = "\n" + line  # a crash cut the last line: start on a fresh one
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
 
     def events(self) -> list[dict[str, Any]]:
         if not self.events_path.exists():
@@ -136,3 +138,28 @@ class Ledger:
 
     def records(self, stages: list[str]) -> dict[str, StageRecord | None]:
         return {s: self.read(s) for s in stages}
+
+
+def accounting(run_dir: Path, stage: str) -> dict[str, Any]:
+    """Fault accounting of a stage from its metrics file: resumes, steps lost, downtime, checkpoint saves."""
+    path = Path(run_dir) / "stages" / stage / "metrics.jsonl"
+    resumes, saves = [], []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("kind") == "resume":
+                resumes.append(rec)
+            elif rec.get("kind") == "checkpoint":
+                saves.append(float(rec.get("save_s", 0.0)))
+    down = [float(r["down_s"]) for r in resumes if r.get("down_s") is not None]
+    return {
+        "resumes": len(resumes),
+        "steps_lost": sum(int(r.get("steps_lost", 0)) for r in resumes),
+        "down_s": down,
+        "checkpoints": len(saves),
+        "checkpoint_save_s_total": sum(saves),
+        "checkpoint_save_s_max": max(saves, default=0.0),
+    }

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from pipeline.config import ConfigError, ModelConfig, ParallelConfig, PipelineConfig, TrainStage
+from pipeline.errors import ConfigError
+from pipeline.graph import TRAIN_STAGES
+
+if TYPE_CHECKING:  # types only: pipeline.config calls check_layout, so this module must not import it
+    from pipeline.config import ModelConfig, ParallelConfig, PipelineConfig, TrainStage
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,9 @@ def check_layout(cfg: PipelineConfig, stage: str) -> ParallelPlan:
         if par.tp * par.pp != 1:
             raise ConfigError(f"{key}: {stage} runs without model parallelism; set tp=1 and pp=1")
         return plan
-    if not isinstance(st, TrainStage):
+    if stage not in TRAIN_STAGES:
         raise ConfigError(f"run.stages={stage!r}: not a training stage")
+    st = cast("TrainStage", st)
     if st.seq_length is not None and st.seq_length > cfg.model.seq_length:
         raise ConfigError(
             f"{stage}.seq_length={st.seq_length}: must be <= model.seq_length={cfg.model.seq_length}"
@@ -153,9 +158,7 @@ def _has_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-if __name__ == "__main__":
-    import sys
+if __name__ == "__main__":  # ``python -m pipeline.plan`` is the planner command (pipeline.plan_cli)
+    import runpy
 
-    from pipeline.plan_cli import main
-
-    sys.exit(main())
+    runpy.run_module("pipeline.plan_cli", run_name="__main__", alter_sys=True)

@@ -164,3 +164,7 @@ def _duration(s: float) -> str:
     if s >= 120:
         return f"{s / 60:.1f} min"
     return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

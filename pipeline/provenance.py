@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
-from pipeline.ledger import atomic_write_text
+from pipeline.fsio import atomic_write_text
 
 KEY_PACKAGES = (
     "torch",

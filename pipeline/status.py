@@ -7,7 +7,6 @@ failed (or which upstream failure keeps it from running).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -16,7 +15,8 @@ from typing import Any
 
 from pipeline.config import STAGES
 from pipeline.graph import upstream
-from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, Ledger, StageRecord
+from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, Ledger, StageRecord, accounting
+from pipeline.scheduler import job_state
 
 BLOCKED = "blocked"
 """Shown for a stage that will never run because an upstream stage failed (its job cancelled or pending)."""
@@ -45,8 +45,6 @@ def view(rec: StageRecord | None, stage: str) -> StageView:
     v = StageView(stage, rec.status, rec.error or "", rec.requeues, rec.log, ",".join(rec.job_ids), stderr)
     if rec.executor != "slurm" or rec.status not in ACTIVE or not rec.job_ids:
         return v
-    from pipeline.slurm_submit import job_state
-
     state, reason, runs = job_state(rec.job_ids[-1])
     v.requeues = max(v.requeues, runs - 1)
     _apply_slurm_state(v, rec, state, reason, runs)
@@ -81,31 +79,6 @@ def _name_blockers(views: list[StageView]) -> None:
         if v.state == BLOCKED and cause is not None:
             root[v.stage] = cause
             v.detail = f"will not run: upstream stage {cause} failed"
-
-
-def accounting(run_dir: Path, stage: str) -> dict[str, Any]:
-    """Fault accounting of a stage from its metrics file: resumes, steps lost, downtime, checkpoint saves."""
-    path = Path(run_dir) / "stages" / stage / "metrics.jsonl"
-    resumes, saves = [], []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("kind") == "resume":
-                resumes.append(rec)
-            elif rec.get("kind") == "checkpoint":
-                saves.append(float(rec.get("save_s", 0.0)))
-    down = [float(r["down_s"]) for r in resumes if r.get("down_s") is not None]
-    return {
-        "resumes": len(resumes),
-        "steps_lost": sum(int(r.get("steps_lost", 0)) for r in resumes),
-        "down_s": down,
-        "checkpoints": len(saves),
-        "checkpoint_save_s_total": sum(saves),
-        "checkpoint_save_s_max": max(saves, default=0.0),
-    }
 
 
 def format_accounting(acc: dict[str, Any], attempts: int) -> str:

@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pipeline.config import DataConfig, PipelineConfig
+from pipeline.fsio import atomic_write_text as _atomic_write
 from stages import tasks
 from stages.context import StageContext
 from stages.engine.data import MANIFEST, SPECIAL_TOKENS, Tokenizer, sha256_file
@@ -448,15 +449,6 @@ def write_manifest(
     }
     _atomic_write(out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _rng(seed: int, stream: int) -> np.random.Generator:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import PipelineConfig
+from pipeline.fsio import atomic_write_text
 from stages import tasks
 from stages.context import MetricsWriter, StageContext
 
@@ -249,11 +249,7 @@ def _iteration(ckpt: Path) -> int | None:
 
 
 def _write_results(ctx: StageContext, out: dict[str, Any]) -> None:
-    path = Path(ctx.out_dir) / RESULTS
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{RESULTS}.tmp")
-    tmp.write_text(json.dumps(out, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(Path(ctx.out_dir) / RESULTS, json.dumps(out, indent=2) + "\n")
     metrics = MetricsWriter(ctx.metrics_path)
     for stage, r in out["models"].items():
         metrics.write(

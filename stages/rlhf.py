@@ -7,13 +7,13 @@ with a no-grad forward pass; the log-probs are cached in ``out_dir/reference_log
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pipeline.config import PipelineConfig, TrainStage
+from pipeline.fsio import atomic_write
 from stages.context import StageContext
 
 REFERENCE_FILE = "reference_logps.npy"
@@ -71,10 +71,4 @@ def _reference(
 
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, array)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: np.save(f, array), binary=True)

@@ -109,3 +109,50 @@ def test_dry_run_script_matches_reference() -> None:
         and "#SBATCH --ntasks-per-node=8" in text
         and "#SBATCH --gpus-per-node=8" in text
     )
+
+
+_WRITER = """
+import sys, time
+from pathlib import Path
+from pipeline.ledger import Ledger
+led, me, n = Ledger(Path(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3])
+go = Path(sys.argv[1]) / "go"
+while not go.exists():
+    time.sleep(0.005)
+for i in range(n):
+    with led.lock():  # a command's check-then-update, e.g. cancel reading a record then marking it
+        rec = led.read("pretrain")
+        rec.attempts += 1
+        rec.outputs = {**rec.outputs, f"w{me}": i + 1}
+        led.write(rec)
+    led.update("pretrain", **{("host", "log", "error")[me]: f"{me}:{i + 1}"})  # one RMW of the record
+    led.event("tick", "pretrain", writer=me, i=i)
+"""
+
+
+def test_concurrent_commands_lose_no_update(tmp_path: Path) -> None:
+    """Three processes hammer one run directory's ledger at once: every update and every event survives."""
+    import subprocess
+    import sys
+
+    led, writers, n = Ledger(tmp_path), 3, 60
+    led.write(StageRecord(stage="pretrain"))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(w), str(n)])
+        for w in range(writers)
+    ]
+    try:
+        (tmp_path / "go").touch()
+        for p in procs:
+            assert p.wait(timeout=300) == 0
+    finally:
+        for p in procs:
+            p.kill()
+    rec = led.read("pretrain")
+    assert rec is not None
+    assert rec.attempts == writers * n
+    assert rec.outputs == {f"w{w}": n for w in range(writers)}
+    assert (rec.host, rec.log, rec.error) == (f"0:{n}", f"1:{n}", f"2:{n}")
+    ticks = [e for e in led.events() if e["event"] == "tick"]
+    assert len(ticks) == writers * n
+    assert (tmp_path / "events.jsonl").read_text().count("\n") == writers * n

@@ -2,8 +2,9 @@
 checkpoints reshard across layouts, and bad layouts fail before any process starts.
 
 Every run is a fresh process group in subprocesses (tests/engine_worker.py). The single-rank baseline runs
-once per module and saves its initial weights; each layout loads them (pipeline stage 1 would otherwise
-initialise its layers from another generator state). Losses are the trainer's global, token-weighted ones.
+once per module and saves its initial weights; each layout either loads them or (the layout-invariance
+test) initialises on its own and must start from the same weights. Losses are the trainer's global,
+token-weighted ones.
 """
 
 from __future__ import annotations
@@ -98,6 +99,76 @@ def test_bf16_tp2_pp2_matches_single_rank_fp32(baseline: tuple[dict, Path], tmp_
     delta = max_rel_delta(got, want)
     print(f"tp2-pp2 bf16: max relative loss delta over {STEPS} steps = {delta:.2e}")
     assert delta < BF16_REL, (got, want)
+
+
+# ---------------------------------------------------------------------------- layout-invariant initial weights
+
+INIT_LAYOUTS = {
+    "pp2": {"pp": 2},
+    "pp2-vpp2": {"pp": 2, "vpp": 2},
+    "tp2": {"tp": 2},
+    "tp2-pp2": {"tp": 2, "pp": 2},
+}
+
+
+def full_weights(root: Path, dest: Path) -> dict[str, Any]:
+    """The full (unsharded, layout-free) tensors of a weights checkpoint saved at iteration 0."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(root / "iter_0000000", dest)
+    return {k: v for k, v in torch.load(dest, weights_only=False).items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", list(INIT_LAYOUTS))
+def test_same_initial_weights_and_first_loss_at_any_layout(
+    layout: str, baseline: tuple[dict, Path], tmp_path: Path
+) -> None:
+    """No weights loaded: each layout initialises on its own and starts exactly where one rank starts."""
+    par = INIT_LAYOUTS[layout]
+    one_step = {**spec()["stage"], "iters": 1}
+    result = launch(world(par), spec(par, stage=one_step, save_weights=str(tmp_path / "w")), tmp_path / "run")
+    want = full_weights(baseline[1], tmp_path / "baseline.pt")
+    got = full_weights(tmp_path / "w", tmp_path / "layout.pt")
+    assert sorted(got) == sorted(want)
+    differ = [k for k in want if not torch_equal(got[k], want[k])]
+    assert not differ, f"{layout}: initial weights differ from one rank's in {differ}"
+    first, base = losses(result)[0], losses(baseline[0])[0]
+    print(f"{layout}: first-step loss {first!r} (one rank: {base!r})")
+    if "tp" in par:  # tensor parallel sums partial products in another order: last-bit differences only
+        assert first == pytest.approx(base, rel=1e-6)
+    else:
+        assert first == base
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+@pytest.mark.parametrize(("dim", "stride"), [(0, 1), (1, 1), (0, 2)])
+def test_tensor_parallel_shard_is_megatrons_slice_of_the_full_tensor(dim: int, stride: int) -> None:
+    """The shard drawn by global name is what megatron's CPU initialisation gives each rank (split, stride)."""
+    import torch
+    from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+
+    from stages.engine.init_weights import _tp_slice, param_seed
+
+    tp, full = 2, torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    for rank in range(tp):
+        local = list(full.shape)
+        local[dim] //= tp
+        want = torch.empty(local)
+        _initialize_affine_weight_cpu(
+            want, 8, 6, local[dim], dim, lambda w: w.copy_(full), stride, rank=rank, world_size=tp
+        )
+        assert torch.equal(_tp_slice(full, want, rank, tp), want)
+    assert param_seed(1234, "decoder.layers.3.mlp.linear_fc1.weight") != param_seed(
+        1234, "decoder.layers.2.mlp.linear_fc1.weight"
+    )
 
 
 # ---------------------------------------------------------------------------- activation recompute

@@ -39,9 +39,15 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 
+from pipeline.fsio import atomic_write_text as _write_atomic
+from pipeline.fsio import fsync_dir as _fsync_dir
+from stages.engine.distributed import all_gather_object as _all_gather
+from stages.engine.distributed import broadcast_object as _broadcast
+from stages.engine.distributed import gather_object as _gather
+from stages.engine.distributed import rank as _rank
+from stages.engine.distributed import world_size as _world
 from stages.engine.faults import FaultInjector
 
 log = logging.getLogger(__name__)
@@ -73,36 +79,6 @@ def iter_dir_name(iteration: int) -> str:
 # ---------------------------------------------------------------------------- collectives
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _distributed() else 1
-
-
-def _broadcast(obj: Any) -> Any:
-    """Rank 0's ``obj``, on every rank."""
-    if _world() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` on rank 0 (an empty list elsewhere)."""
-    if _world() == 1:
-        return [obj]
-    out: list[Any] | None = [None] * _world() if _rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out or []
-
-
 def _on_rank0(fn: Callable[[], Any], what: str) -> Any:
     """Run ``fn`` on rank 0 only and hand its result to every rank; a failure raises on every rank."""
     result, error, exc = None, None, None
@@ -120,14 +96,6 @@ def _on_rank0(fn: Callable[[], Any], what: str) -> Any:
 # ---------------------------------------------------------------------------- files, hashes, atomic writes
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _file_record(path: Path, *, fsync: bool = False) -> dict[str, Any]:
     """``{"size", "sha256"}`` of a file, read once; with ``fsync`` its data is flushed to disk first."""
     digest, size = hashlib.sha256(), 0
@@ -138,17 +106,6 @@ def _file_record(path: Path, *, fsync: bool = False) -> dict[str, Any]:
             digest.update(block)
             size += len(block)
     return {"size": size, "sha256": digest.hexdigest()}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file, fsync and rename: readers see the old or the new file."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _owner(name: str) -> int:
@@ -350,15 +307,6 @@ def save(
 def _first_line(e: BaseException) -> str:
     lines = [ln for ln in str(e).splitlines() if ln.strip()]
     return lines[0] if lines else ""
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, on every rank."""
-    if _world() == 1:
-        return [obj]
-    out: list[Any] = [None] * _world()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _discard(tmp: Path) -> None:

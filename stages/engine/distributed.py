@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.launch import free_port  # noqa: F401  (re-exported: tests and workers pick ports here)
+from pipeline.jobenv import free_port  # noqa: F401  (re-exported: tests and workers pick ports here)
 
 
 @dataclass(frozen=True)
@@ -101,10 +101,21 @@ def init(
     return env
 
 
+_BASE_SEED = 1234
+
+
+def base_seed() -> int:
+    """The seed given to ``init`` (before the per-stage offset): initial weights are drawn from it."""
+    return _BASE_SEED
+
+
 def set_seed(seed: int) -> None:
-    """Seed python, numpy, torch and megatron's model-parallel RNG tracker (offset per pipeline stage)."""
+    """Seed python, numpy, torch and megatron's model-parallel RNG tracker (offset per pipeline stage:
+    dropout streams differ per stage; initial weights do not, see stages.engine.init_weights)."""
     from megatron.core import parallel_state, tensor_parallel
 
+    global _BASE_SEED
+    _BASE_SEED = seed
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
@@ -214,6 +225,33 @@ def all_reduce_max(value: float) -> float:
 def any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any rank (stop requests agree, so all ranks stop together)."""
     return all_reduce_max(1.0 if flag else 0.0) > 0
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj``, on every rank."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on rank 0 (an empty list elsewhere)."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] | None = [None] * world_size() if rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, on every rank."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier() -> None:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import ModelConfig, ParallelConfig
+from stages.engine import distributed as D
+from stages.engine.init_weights import init_by_global_name
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -110,6 +112,7 @@ def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> lis
     wrapped = []
     for i in range(chunks):
         module = _gpt(model, config, vocab, i if chunks > 1 else None)
+        init_by_global_name(module, config, D.base_seed(), D.tp_rank(), par.tp)  # same weights at any layout
         if torch.cuda.is_available():
             module.cuda(torch.cuda.current_device())
         if par.precision != "fp32":

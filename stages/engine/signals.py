@@ -15,12 +15,13 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType
+
+from pipeline.jobenv import in_slurm_job, requeue_self, restart_count  # noqa: F401  (re-exported)
 
 HANG_EXIT_CODE = 86
 """Exit code of a rank the watchdog found hung (distinct from crashes and signals)."""
@@ -58,33 +59,6 @@ class StopFlag:
     @property
     def requested(self) -> bool:
         return self.signum is not None
-
-
-def in_slurm_job() -> bool:
-    return bool(os.environ.get("SLURM_JOB_ID"))
-
-
-def requeue_self(reason: str) -> bool:
-    """Ask SLURM to requeue this job (no-op outside SLURM). Returns whether the request went through."""
-    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-    if not job:
-        return False
-    if os.environ.get("SLURM_ARRAY_TASK_ID"):
-        job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    print(f"[requeue] asking SLURM to requeue job {job}: {reason}", flush=True)
-    try:
-        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        print(f"[requeue] failed: {e}", flush=True)
-        return False
-    if r.returncode != 0:
-        print(f"[requeue] scontrol said: {r.stderr.strip()}", flush=True)
-    return r.returncode == 0
-
-
-def restart_count() -> int:
-    """How many times SLURM restarted this job (0 on the first run and outside SLURM)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
 HANG_HOOKS: list[Callable[[], None]] = []

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pipeline.config import ParallelConfig, TrainStage
+from pipeline.fsio import atomic_write_text
 from stages.context import MetricsWriter
 from stages.engine import distributed as D
 from stages.engine.bad_steps import BadStepError, BadStepGuard, reason_code, reason_from_code
@@ -530,10 +531,8 @@ class Trainer:
         p = self.progress_path
         if p is None or not D.is_rank0():
             return
-        tmp = p.with_name(".progress.json.tmp")
         try:
-            tmp.write_text(json.dumps({"step": self.iteration, "time": time.time()}))
-            os.replace(tmp, p)
+            atomic_write_text(p, json.dumps({"step": self.iteration, "time": time.time()}), durable=False)
         except OSError as e:  # a full disk: the accounting is lost, the training goes on
             log.warning("could not write %s: %s", p, e)
 

@@ -1,0 +1,64 @@
+"""SLURM job state queries and cancellation (``squeue``/``sacct``/``scancel``): read by status, cancel and submission.
+
+States come from ``sacct`` (with ``squeue`` as a fallback). A job that SLURM is requeueing shows NODE_FAIL
+for a few seconds before PENDING; submitit takes that as final, so we never do: requeued jobs are alive.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+# sacct/squeue states in which a job will still run (or is running).
+ALIVE_STATES = {
+    "PENDING",
+    "RUNNING",
+    "CONFIGURING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SUSPENDED",
+    "NODE_FAIL",  # transient on requeue (JobRequeue=1 / --requeue)
+    "PREEMPTED",
+    "STAGE_OUT",
+    "SIGNALING",
+}
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def job_state(job_id: str) -> tuple[str, str, int]:
+    """(state, reason, runs) of a SLURM job; runs counts its executions (requeues + 1)."""
+    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"])
+    if out and out.strip():
+        state, _, reason = out.strip().splitlines()[0].partition("|")
+        acct = _run(["sacct", "-n", "-P", "-D", "-X", "-j", job_id, "-o", "State"])
+        runs = len([ln for ln in (acct or "").splitlines() if ln.strip()]) or 1
+        return state.strip(), reason.strip(), runs
+    acct = _run(["sacct", "-n", "-P", "-D", "-X", "-j", job_id, "-o", "State,Reason"])
+    rows = [ln.split("|") for ln in (acct or "").splitlines() if ln.strip()]
+    if not rows:
+        return "UNKNOWN", "", 0
+    state = rows[-1][0].split()[0]  # "CANCELLED by 0" -> CANCELLED
+    if state == "NODE_FAIL":  # out of the queue: SLURM did not requeue it (a requeued job stays queued)
+        return "FAILED", "node failure, not requeued", len(rows)
+    return state, rows[-1][1] if len(rows[-1]) > 1 else "", len(rows)
+
+
+def slurm_job_alive(job_id: str) -> bool:
+    state, reason, _ = job_state(job_id)
+    if state == "PENDING" and "DependencyNeverSatisfied" in reason:
+        return False
+    return state in ALIVE_STATES
+
+
+def cancel_jobs(job_ids: list[str]) -> None:
+    if job_ids:
+        subprocess.run(["scancel", *job_ids], capture_output=True, timeout=60)
