@@ -1,4 +1,9 @@
-"""data_prep with 2 ranks on 2 nodes of the local SLURM cluster: output byte-identical to 1 rank."""
+"""data_prep with 2 ranks on 2 nodes of the local SLURM cluster: output byte-identical to 1 rank, with the
+ranks meeting through files (data_prep.launcher=files) or as one MPI world (launcher=mpi: srun --mpi=pmi2).
+
+The local cluster's nodes share one host in separate namespaces: MPICH's UCX shared-memory transport cannot
+reach across them, so the MPI run sets ``UCX_TLS=tcp`` through the profile's ``cluster.env``.
+"""
 
 from __future__ import annotations
 
@@ -30,22 +35,28 @@ def test_data_prep_on_two_nodes_byte_identical_to_one_rank(cluster, tmp_path):
         "data_prep.threads=1",
     ]
     outs = []
-    for n in (1, 2):
+    for n, launcher in ((1, "files"), (2, "files"), (2, "mpi")):
+        extra = ["+cluster.env.UCX_TLS=tcp"] if launcher == "mpi" else []
         r = pipeline(
             cluster,
             *common,
-            f"run.root={tmp_path / f'r{n}'}",
+            *extra,
+            f"run.root={tmp_path / f'r{n}{launcher}'}",
             f"data_prep.parallel.dp={n}",
             f"data_prep.parallel.nodes={n}",
+            f"data_prep.launcher={launcher}",
         )
         assert r.returncode == 0, fail_text(r)
         [run_dir] = run_dirs(r.stdout)
         views = wait_settled(run_dir, ["data_prep"], deadline_s=300)
-        assert views["data_prep"].state == "completed", views
-        (d,) = [p for p in (tmp_path / f"r{n}" / ".data").glob("data_prep-*") if p.is_dir()]
+        logs = "".join(p.read_text()[-3000:] for p in sorted(run_dir.rglob("*_log.err")))
+        assert views["data_prep"].state == "completed", (launcher, views, logs)
+        (d,) = [p for p in (tmp_path / f"r{n}{launcher}" / ".data").glob("data_prep-*") if p.is_dir()]
         assert json.loads((d / "outputs.json").read_text())["ranks"] == n
         outs.append(d)
-    names = sorted(read_manifest(outs[0])["files"]) + ["manifest.json"]
-    assert any(n.startswith("text_train-") for n in names)
-    for name in names:
-        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+        names = sorted(read_manifest(outs[0])["files"]) + ["manifest.json"]
+        assert any(n.startswith("text_train-") for n in names)
+        for name in names:
+            assert (outs[0] / name).read_bytes() == (d / name).read_bytes(), (name, launcher)
+    script = next((run_dir / "jobs" / "data_prep").rglob("*_submission.sh")).read_text()
+    assert "--mpi=pmi2" in script, script
