@@ -1,5 +1,5 @@
 # The two commands of the README. Both do all set-up on a fresh machine.
-.PHONY: demo test setup lint
+.PHONY: demo test setup lint gpu-check gpu-wheels
 
 PY := .venv/bin/python
 
@@ -10,9 +10,10 @@ setup:
 demo: setup
 	$(PY) -m pipeline
 
-# Everything the tests need (the SLURM cluster's packages, MPI), then the whole suite with lint and types.
+# Everything the tests need (the SLURM cluster's packages, MPI, chromium, tmux), then the whole suite with lint and types.
 test: setup
 	@bash slurm/install.sh
+	@bash scripts/install-test-deps.sh
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
@@ -22,3 +23,11 @@ test: setup
 
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy && .venv/bin/lint-imports
+
+# The GPU path in one run (scripts/gpu-check.sh; log in $OUT or runs/gpu-check/). Without a GPU it says so and
+# exits 0 with every GPU test skipped. gpu-wheels prepares .gpu-wheels/ for a GPU machine without a registry.
+gpu-check:
+	@bash scripts/gpu-check.sh
+
+gpu-wheels: setup
+	@bash scripts/gpu-wheels.sh

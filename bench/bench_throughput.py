@@ -1,6 +1,6 @@
 """Throughput of the pretrain stage's training path against a minimal plain-PyTorch loop on the same model.
 
-    python bench/bench_throughput.py [--steps 20] [--warmup 3] [--rounds 2] [--no-dist] [--gpu-only]
+    python bench/bench_throughput.py [--steps 20] [--warmup 3] [--rounds 2] [--no-dist] [--gpu-only] [--profile]
 
 Engine path: stages.engine (distributed init, megatron GPTModel with the local layer spec in megatron DDP,
 megatron optimizer, ``Trainer.train_step``: micro batches from a sample source through
@@ -14,8 +14,11 @@ the distributed optimizer vs torch DDP, one thread per rank, the same global bat
 a fresh process (the CPU compatibility layer patches torch process-wide, the plain loop must not see it);
 ``--rounds`` alternates engine and plain runs and keeps each side's best, to damp noise from other load.
 
-With CUDA, the engine path also trains the 1B Llama (conf/model/llama3.2-1b.yaml) in bf16 and prints its
-MFU from pipeline.planner.step_flops; without CUDA that part is skipped with a message.
+With CUDA, the engine path also trains Llama shapes in bf16 on one GPU (``--gpu-models``: the 1B of
+conf/model/llama3.2-1b.yaml and the 3B, the largest that fits one H200 without the distributed optimizer;
+``--gpu-seqs`` 4096,8192) and prints tokens/s, TFLOP/s and MFU (pipeline.planner.step_flops against
+``--peak-tflops``, 790: the H200's measured bf16 matmul peak) and, with ``--profile``, a torch profiler
+summary; without CUDA that part is skipped with a message.
 """
 
 from __future__ import annotations
@@ -180,23 +183,44 @@ def engine_worker(spec: dict[str, Any]) -> dict[str, Any]:
         )  # fmt: skip
         times = _timed(trainer.train_step, spec)
         loss = trainer.train_step(spec["warmup"] + spec["steps"])["loss"]
-        return {**times, "final_loss": loss}
+        out = {**times, "final_loss": loss}
+        if torch.cuda.is_available():
+            out["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if spec.get("profile"):
+            out["profile"] = _profile(trainer, spec["warmup"] + spec["steps"] + 1)
+        return out
     finally:
         D.shutdown()
+
+
+def _profile(trainer: Any, step: int) -> str:
+    """torch profiler summary of two training steps: where the time goes, by CUDA time (CPU time without CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for i in range(2):
+            trainer.train_step(step + i)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    return str(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
 
 
 # ---------------------------------------------------------------------------- orchestration
 
 
-def measure(kind: str, world: int, spec: dict[str, Any]) -> tuple[float, float]:
-    """(tokens/s by wall clock, tokens per CPU second of rank 0) of one fresh run of ``kind`` on ``world`` ranks."""
+def measure(kind: str, world: int, spec: dict[str, Any]) -> tuple[float, float, dict[str, Any]]:
+    """(tokens/s by wall clock, tokens per CPU second of rank 0, rank 0's result) of one fresh run of ``kind``."""
     from engine_worker import launch
 
     spec = {**spec, "mode": kind}
     with tempfile.TemporaryDirectory(prefix=f"bench-{kind}-") as tmp:
         result = launch(world, spec, Path(tmp), timeout_s=600, script=Path(__file__))
     tokens = spec["global_batch"] * spec["model"]["seq_length"]
-    return tokens / statistics.median(result["step_times"]), tokens / statistics.median(result["cpu_times"])
+    wall, cpu = statistics.median(result["step_times"]), statistics.median(result["cpu_times"])
+    return tokens / wall, tokens / cpu, result
 
 
 def compare(label: str, world: int, spec: dict[str, Any], rounds: int) -> dict[str, float]:
@@ -208,7 +232,7 @@ def compare(label: str, world: int, spec: dict[str, Any], rounds: int) -> dict[s
     best = {k: [0.0, 0.0] for k in ("engine", "plain")}
     for _ in range(rounds):
         for kind in ("plain", "engine"):
-            wall, cpu = measure(kind, world, spec)
+            wall, cpu, _ = measure(kind, world, spec)
             best[kind] = [max(best[kind][0], wall), max(best[kind][1], cpu)]
     ratio = best["engine"][0] / best["plain"][0]
     cpu_ratio = best["engine"][1] / best["plain"][1]
@@ -242,36 +266,89 @@ def cpu_spec(args: argparse.Namespace, threads: int, parallel: dict[str, Any]) -
     }
 
 
-def gpu_llama(args: argparse.Namespace) -> dict[str, float] | None:
-    """Engine path on the 1B Llama in bf16 on one GPU: tokens/s and MFU; None (with a message) without CUDA."""
+GPU_SHAPES: dict[str, dict[str, Any]] = {
+    "llama3.2-1b": {},
+    # Llama 3.2 3B (Meta's config.json): the largest Llama-family model that trains on one H200 with the
+    # distributed optimizer off (bf16 weights + fp32 main params, grads and Adam: ~18 bytes per parameter,
+    # 58 GB at 3.2B; Llama 3.1 8B would need 144 GB before activations).
+    "llama3.2-3b": {
+        "name": "llama3.2-3b",
+        "num_layers": 28,
+        "hidden_size": 3072,
+        "num_attention_heads": 24,
+        "num_query_groups": 8,
+        "kv_channels": 128,
+        "ffn_hidden_size": 8192,
+    },
+}
+
+
+def gpu_llama(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Engine path on Llama shapes in bf16 on one GPU: tokens/s, TFLOP/s and MFU; None without CUDA.
+
+    Each (shape, seq) is a fresh process; the global batch holds ``--gpu-tokens`` tokens (micro batch 1).
+    MFU = model FLOPs (pipeline.planner.step_flops) per second / ``--peak-tflops``.
+    """
     if not torch.cuda.is_available():
-        print("GPU part skipped: CUDA is not available (1B Llama bf16 MFU needs a GPU)", flush=True)
+        print("GPU part skipped: CUDA is not available (Llama bf16 MFU needs a GPU)", flush=True)
         return None
-    from pipeline.config import ModelConfig, PlannerConfig
+    from pipeline.config import ModelConfig
     from pipeline.plan_cli import compose_config
     from pipeline.planner import padded_vocab, step_flops
 
-    model = compose_config(["model=llama3.2-1b"]).model
-    model = ModelConfig(**{**model.__dict__, "seq_length": args.gpu_seq})
-    spec = {
-        "model": model.__dict__,
-        "vocab": model.vocab_size,
-        "parallel": {"micro_batch_size": 1, "global_batch_size": args.gpu_batch, "precision": "bf16"},
-        "global_batch": args.gpu_batch,
-        "threads": 4,
-        "warmup": args.warmup,
-        "steps": args.steps,
-    }
-    tokens_per_s, _ = measure("engine", 1, spec)
-    flops, _ = step_flops(model, padded_vocab(model, model.vocab_size, 1), args.gpu_batch)
-    peak = PlannerConfig().gpu_peak_tflops * 1e12
-    mfu = flops * tokens_per_s / (args.gpu_batch * model.seq_length) / peak
+    base = compose_config(["model=llama3.2-1b"]).model
+    peak = args.peak_tflops * 1e12
+    t_start, rows = time.time(), {}
     print(
-        f"1B Llama bf16, 1 GPU, seq {model.seq_length}, batch {args.gpu_batch}: {tokens_per_s:,.0f} tok/s, "
-        f"MFU {mfu:.1%} (of {peak / 1e12:.0f} TFLOP/s; planner.gpu_peak_tflops)",
+        f"GPU {torch.cuda.get_device_name()}: bf16, 1 GPU, micro batch 1, {args.gpu_tokens} tokens per step, "
+        f"median of {args.steps} steps after {args.warmup}; MFU against {args.peak_tflops:g} TFLOP/s",
         flush=True,
     )
-    return {"tokens_per_s": tokens_per_s, "mfu": mfu}
+    for shape in args.gpu_models.split(","):
+        for seq in (int(x) for x in args.gpu_seqs.split(",")):
+            label = f"{shape} seq {seq}"
+            if args.gpu_deadline_s and time.time() - t_start > args.gpu_deadline_s:
+                print(f"{label:<24} skipped: --gpu-deadline-s reached", flush=True)
+                continue
+            model = ModelConfig(**{**base.__dict__, **GPU_SHAPES[shape], "seq_length": seq})
+            batch = max(1, args.gpu_tokens // seq)
+            spec = {
+                "model": model.__dict__,
+                "vocab": model.vocab_size,
+                "parallel": {"micro_batch_size": 1, "global_batch_size": batch, "precision": "bf16"},
+                "global_batch": batch,
+                "threads": 4,
+                "warmup": args.warmup,
+                "steps": args.steps,
+                "profile": args.profile and not rows,
+            }
+            try:
+                tokens_per_s, _, result = measure("engine", 1, spec)
+            except RuntimeError as e:  # out of memory or a failure: report it, go on with the next
+                print(f"{label:<24} FAILED: {str(e)[-600:]}", flush=True)
+                rows[label] = {"error": str(e)[-2000:]}
+                continue
+            flops, _ = step_flops(model, padded_vocab(model, model.vocab_size, 1), batch)
+            tflops = flops * tokens_per_s / (batch * seq) / 1e12
+            rows[label] = {
+                "tokens_per_s": tokens_per_s,
+                "tflops": tflops,
+                "mfu": tflops * 1e12 / peak,
+                "max_memory_gib": result.get("max_memory_gib"),
+                "final_loss": result.get("final_loss"),
+            }
+            print(
+                f"{label:<24} {tokens_per_s:>9,.0f} tok/s  {tflops:6.1f} TFLOP/s  MFU {tflops * 1e12 / peak:6.1%}  "
+                f"peak memory {result.get('max_memory_gib', 0):.1f} GiB",
+                flush=True,
+            )
+            if result.get("profile"):
+                print(
+                    f"torch profiler, 2 steps of {label} (top 20 by CUDA time):\n{result['profile']}",
+                    flush=True,
+                )
+    first = next((v for v in rows.values() if "mfu" in v), None)
+    return {"rows": rows, **({"tokens_per_s": first["tokens_per_s"], "mfu": first["mfu"]} if first else {})}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -284,8 +361,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--no-dist", action="store_true", help="skip the two-rank row")
     p.add_argument("--gpu-only", action="store_true", help="only the 1B Llama GPU part")
-    p.add_argument("--gpu-seq", type=int, default=2048)
-    p.add_argument("--gpu-batch", type=int, default=4)
+    p.add_argument("--gpu-models", default="llama3.2-1b,llama3.2-3b", help=f"of {sorted(GPU_SHAPES)}")
+    p.add_argument("--gpu-seqs", default="4096,8192", help="sequence lengths, comma-separated")
+    p.add_argument("--gpu-tokens", type=int, default=32768, help="tokens per global batch")
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: ~790)")
+    p.add_argument("--profile", action="store_true", help="torch profiler summary of the first GPU row")
+    p.add_argument("--gpu-deadline-s", type=float, default=0, help="skip GPU rows started after this")
     p.add_argument("--json", type=Path, help="also write the figures here")
     return p.parse_args(argv)
 

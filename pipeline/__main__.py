@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         if multirun:
             print(f"[sweep] trial {i} of {len(runs)}: {' '.join(trial)}", flush=True)
         codes.append(_execute(cfg))
+    roots = {cfg.run.root for _, cfg in runs}
+    if multirun and len(runs) > 1 and len(roots) == 1:  # one report across the sweep's run directories
+        from pipeline.orchestrate import write_sweep_report
+
+        write_sweep_report(roots.pop())
     return max(codes, default=0)
 
 
@@ -69,6 +74,7 @@ def _hydra_main(args: list[str]) -> int:
     import hydra
     from omegaconf import DictConfig
 
+    from pipeline import hf_model
     from pipeline.config import CONF_DIR, build_config, register_configs
     from pipeline.preflight import preflight
 
@@ -77,7 +83,7 @@ def _hydra_main(args: list[str]) -> int:
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def run(cfg: DictConfig) -> None:
         try:
-            pc = build_config(cfg)
+            pc = build_config(cfg, resolve=hf_model.apply)
             preflight(pc)
             codes.append(_execute(pc))
         except ConfigError as e:

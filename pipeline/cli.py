@@ -19,6 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from pipeline import hf_model
 from pipeline.config import CONF_DIR, ConfigError, PipelineConfig, build_config, compose, domain_of
 from pipeline.preflight import preflight
 
@@ -41,6 +42,8 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("python -m pipeline -m key=a,b [...]", "a sweep: every trial validated before the first one runs"),
     ("python -m pipeline.plan [key=value ...]", "layout, memory, FLOPs and step time per training stage"),
     ("python -m pipeline.status <run_dir>", "each stage's state, job ids, requeues, logs and errors"),
+    ("python -m pipeline.status <run_dir> --watch 5", "a live view redrawn in place, with alarms"),
+    ("python -m pipeline.report <run_dir|run.root>", "one self-contained HTML report of a run or a sweep"),
     ("python -m pipeline.cancel <run_dir>", "cancel the run's queued and running jobs"),
     ("python -m pipeline.docs", "regenerate docs/CONFIG.md from the schema"),
 )
@@ -94,7 +97,7 @@ def load(overrides: list[str], *, inputs: bool = True) -> PipelineConfig:
     Every mistake raises ConfigError in the one shape, whatever caught it.
     """
     try:
-        pc = build_config(compose(overrides))
+        pc = build_config(compose(overrides), resolve=hf_model.apply)
         if inputs:
             preflight(pc)
         return pc

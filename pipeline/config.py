@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,9 +154,19 @@ class ModelConfig:
     rotary_base: int = num(10000, ge=2)
     """RoPE base (position_embedding=rope)."""
     rotary_scaling: bool = False
-    """Llama-3.1 RoPE frequency scaling."""
+    """Llama-3 RoPE frequency scaling (rope_type llama3), with the four rotary_* settings below."""
+    rotary_scaling_factor: float = num(8.0, ge=1)
+    """Llama-3 RoPE scaling factor (Llama 3.1: 8, Llama 3.2: 32)."""
+    rotary_low_freq_factor: float = num(1.0, gt=0)
+    """Llama-3 RoPE scaling: low-frequency factor."""
+    rotary_high_freq_factor: float = num(4.0, gt=0)
+    """Llama-3 RoPE scaling: high-frequency factor."""
+    rotary_original_max_positions: int = num(8192, ge=1)
+    """Llama-3 RoPE scaling: the context length the model was pretrained with."""
     add_bias_linear: bool = True
     """Biases in linear layers (Llama: false)."""
+    add_qkv_bias: bool = False
+    """Biases on the query/key/value projection even when add_bias_linear is false (Qwen2)."""
     tie_embeddings: bool = True
     """Share input embedding and output projection."""
     init_method_std: float = num(0.02, gt=0)
@@ -164,12 +175,15 @@ class ModelConfig:
     """Dropout after attention/MLP."""
     attention_dropout: float = num(0.0, ge=0, lt=1)
     """Dropout of attention probabilities."""
+    attention_backend: str = "auto"
+    """Core attention of the local layer spec: sdpa (torch scaled_dot_product_attention, fused), unfused (megatron's DotProductAttention, for comparison), auto = sdpa."""
 
     def __post_init__(self) -> None:
         check_domains(self)
         _choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _choice("activation", self.activation, ("gelu", "swiglu"))
         _choice("position_embedding", self.position_embedding, ("learned_absolute", "rope"))
+        _choice("attention_backend", self.attention_backend, ("auto", "sdpa", "unfused"))
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             _fail(
                 "hidden_size",
@@ -181,6 +195,14 @@ class ModelConfig:
                 "num_query_groups",
                 self.num_query_groups,
                 f"must divide num_attention_heads={self.num_attention_heads}",
+            )
+        if not self.rotary_scaling_factor >= 1:
+            _fail("rotary_scaling_factor", self.rotary_scaling_factor, "must be >= 1")
+        if not 0 < self.rotary_low_freq_factor < self.rotary_high_freq_factor:
+            _fail(
+                "rotary_low_freq_factor",
+                self.rotary_low_freq_factor,
+                f"must be > 0 and < rotary_high_freq_factor={self.rotary_high_freq_factor}",
             )
         if self.max_position_embeddings is not None and self.position_embedding == "learned_absolute":
             if self.max_position_embeddings < self.seq_length:
@@ -268,6 +290,10 @@ class ClusterConfig:
     """Times a crashed or hung job asks SLURM to requeue itself."""
     mpi: str = "pmi2"
     """srun's MPI plugin (--mpi=) for data_prep.launcher=mpi: pmi2, pmix, ... (srun --mpi=list shows them)."""
+    fs_bandwidth_gb_s: float = num(2.0, gt=0)
+    """Assumed read/write bandwidth one node gets from the shared filesystem, GB/s (the planner's checkpoint save/load/verify times)."""
+    peak_tflops: float | None = num(None, integer=False, gt=0)
+    """Dense peak TFLOP/s of one rank's device in the training precision, the MFU denominator (None: planner.gpu_peak_tflops with GPUs, else the CPU figure measured by bench/bench_matmul.py)."""
 
     def __post_init__(self) -> None:
         check_domains(self)
@@ -428,6 +454,33 @@ class DataPrepStage:
 
 
 @dataclass
+class MonitorConfig:
+    """What a training stage reports besides metrics.jsonl (sinks, rank 0 only) and when it raises an alarm."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to <stage dir>/tensorboard (``tensorboard --logdir <run_dir>``)."""
+    wandb: bool = False
+    """Log to Weights & Biases (pip extra ``wandb``); offline unless WANDB_API_KEY or WANDB_MODE is set."""
+    wandb_project: str = "llm-pipeline"
+    """W&B project; runs are grouped by the run directory's name, one W&B run per stage."""
+    alarm_loss_spike: float = num(3.0, gt=1, or_zero=True)
+    """Alarm when a logged loss exceeds this x the running mean of the previous logged losses; 0 = off."""
+    alarm_grad_norm: float = num(1e5, ge=0)
+    """Alarm when a logged gradient norm exceeds this (or is not finite); 0 = off."""
+    alarm_throughput_drop: float = num(0.5, ge=0, lt=1)
+    """Alarm when tokens/s falls below this fraction of its running median; 0 = off."""
+    alarm_stall_s: float = num(600.0, ge=0)
+    """Alarm when no step ends for this many seconds (the watchdog, hang_timeout_s, may kill later); 0 = off."""
+    alarm_warmup: int = num(3, ge=0)
+    """Logged lines before the loss-spike and throughput alarms compare against their running figures."""
+
+    def __post_init__(self) -> None:
+        check_domains(self)
+        if not self.wandb_project or "/" in self.wandb_project:
+            _fail("wandb_project", self.wandb_project, "must be a non-empty name without '/'")
+
+
+@dataclass
 class TrainStage:
     """A training stage (pretrain, sft, rlhf): the shared loop's settings."""
 
@@ -440,7 +493,7 @@ class TrainStage:
     seq_length: int | None = num(None, integer=True, ge=1)
     """Tokens per sequence in this stage's batches (None = model.seq_length); SFT/DPO examples are short."""
     init_from: str | None = "auto"
-    """Weights to start from (fresh optimizer): auto = the upstream stage's final checkpoint, a path, or null (random)."""
+    """Weights to start from (fresh optimizer): auto = the upstream stage's final checkpoint, a path, hf:<dir> (a Hugging Face model directory: architecture, weights and tokenizer from it), or null (random)."""
     iters: int = num(100, ge=1)
     """Optimizer steps."""
     lr: float = num(1e-3, gt=0)
@@ -481,14 +534,21 @@ class TrainStage:
     """Bad steps in a row that stop the run (any nan_policy)."""
     async_save: bool = False
     """Write periodic checkpoints in a background process (the final and stop-request saves stay synchronous)."""
+    pack_examples: bool = False
+    """SFT: pack consecutive examples into each sequence of seq_length tokens (positions restart and attention stays within each example; a sample is then a packed row). Applies to the prompt/response SFT file, not yet to users' chat data (data.sft_paths)."""
+    checkpoint_verify: str = "full"
+    """How a resume checks the newest checkpoint, each rank its own files in parallel: full (every byte against the marker's sha256), sampled (sizes plus 8 sampled 4 MiB blocks per file), sizes."""
     beta: float = num(0.1, gt=0)
     """DPO: strength of the KL anchor to the reference model (rlhf only)."""
     algorithm: str = "dpo"
     """rlhf algorithm: dpo (others plug in here later)."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """TensorBoard / W&B sinks and alarm thresholds (no effect on results)."""
 
     def __post_init__(self) -> None:
         check_domains(self)
         _choice("nan_policy", self.nan_policy, ("skip", "rollback", "stop"))
+        _choice("checkpoint_verify", self.checkpoint_verify, ("full", "sampled", "sizes"))
         if self.warmup_iters >= self.iters:
             # megatron's scheduler asserts warmup < decay steps inside the job
             _fail("warmup_iters", self.warmup_iters, f"must be < iters={self.iters}")
@@ -510,7 +570,7 @@ class EvalStage:
     threads: int = num(2, ge=1)
     """torch.set_num_threads."""
     models: list[str] = field(default_factory=lambda: ["pretrain", "sft", "rlhf"])
-    """Which stages' final checkpoints to evaluate (those in the run)."""
+    """Which stages' final checkpoints to evaluate (those in the run), or hf:<dir> (a Hugging Face model directory)."""
     max_new_tokens: int = num(8, ge=1)
     """Greedy generation length for task answers."""
     num_task_examples: int = num(200, ge=1)
@@ -523,7 +583,8 @@ class EvalStage:
     def __post_init__(self) -> None:
         check_domains(self)
         for m in self.models:
-            _choice("models", m, TRAIN_STAGES)
+            if not m.startswith("hf:"):
+                _choice("models", m, TRAIN_STAGES)
 
 
 @dataclass
@@ -538,6 +599,8 @@ class PlannerConfig:
     """Memory of one GPU in GiB, as nvidia-smi reports it (H100: 80)."""
     reserve_gb: float = num(4.0, ge=0)
     """GiB per GPU held back for the CUDA context, NCCL buffers and allocator fragmentation."""
+    sha256_gb_s: float = num(1.5, gt=0)
+    """sha256 speed of one rank's core in GB/s (checkpoint verification; about 1.5 with SHA extensions)."""
 
     def __post_init__(self) -> None:
         check_domains(self)
@@ -632,6 +695,7 @@ _DATACLASSES: dict[str, type] = {
     for c in (
         ModelConfig,
         ParallelConfig,
+        MonitorConfig,
         ClusterConfig,
         DataConfig,
         DataSource,
@@ -645,12 +709,16 @@ _DATACLASSES: dict[str, type] = {
 }
 
 
-def build_config(cfg: Any) -> PipelineConfig:
+def build_config(
+    cfg: Any, *, resolve: Callable[[PipelineConfig], PipelineConfig] | None = None
+) -> PipelineConfig:
     """Validate a composed Hydra config (DictConfig or dict) into a PipelineConfig, fully resolved.
 
-    Raises ConfigError naming the key. Cross-field checks (layouts against the model and cluster)
-    run here too; the commands add the pre-flight of inputs (``pipeline.cli.load``), so nothing is
-    submitted or written before the whole config is known good.
+    Raises ConfigError naming the key. ``resolve`` fills values from referenced files before the
+    cross-field checks (the commands pass ``pipeline.hf_model.apply``: ``hf:<dir>`` model references).
+    Cross-field checks (layouts against the model and cluster) run here too; the commands add the
+    pre-flight of inputs (``pipeline.cli.load``), so nothing is submitted or written before the whole
+    config is known good.
     """
     from omegaconf import DictConfig, OmegaConf
 
@@ -663,6 +731,8 @@ def build_config(cfg: Any) -> PipelineConfig:
         raise ConfigError(f"<root>={raw!r}: expected a mapping")
     data = {k: v for k, v in raw.items() if k != "hydra"}
     pc: PipelineConfig = _build(PipelineConfig, data, "")
+    if resolve is not None:
+        pc = resolve(pc)
     _check_cross(pc)
     return pc
 
@@ -785,6 +855,8 @@ IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
     "nan_policy": "skip and rollback give bit-identical weights (tests/test_nan_policy.py); stop only ends "
     "the stage",
     "async_save": "checkpoint writing in the background: the saved state is the same",
+    "checkpoint_verify": "how a resume checks checkpoint files: only decides which checkpoint is trusted",
+    "monitor": "sinks (TensorBoard, W&B) and alarm thresholds only observe the run",
 }
 IDENTITY_PARALLEL_KEYS = ("global_batch_size", "precision")
 """The only parallel keys that change results; the rest is the layout, which must not (same weights at step 0

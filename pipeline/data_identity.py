@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.fsio import atomic_write_text, locked
+from pipeline.fsio import atomic_write_text, locked, sha256_file
 
 FINGERPRINTS = "fingerprints.json"
 SHARED = ".data"
@@ -76,14 +76,6 @@ def input_files(pc: Any) -> list[Path]:
         if f not in out:
             out.append(f)
     return out
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fingerprints(pc: Any, save: bool = False) -> dict[str, dict[str, Any]]:

@@ -18,6 +18,7 @@ SECTIONS = (
     ("data_prep", "DataPrepStage"),
     ("pretrain / sft / rlhf", "TrainStage"),
     ("<stage>.parallel", "ParallelConfig"),
+    ("<train stage>.monitor", "MonitorConfig"),
     ("eval", "EvalStage"),
     ("planner", "PlannerConfig"),
 )
@@ -79,6 +80,8 @@ def render() -> str:
             if typ in ("ParallelConfig",):
                 doc = doc + " See `<stage>.parallel`."
                 default = ""
+            if typ == "MonitorConfig":
+                doc, default = doc + " See `<train stage>.monitor`.", ""
             typ, default = typ.replace("|", "\\|"), default.replace("|", "\\|")
             lines.append(f"| `{name}` | `{typ}` | `{default}` | {allowed} | {doc.replace('|', '/')} |")
         lines.append("")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import secrets
 import sys
@@ -140,3 +141,12 @@ def locked(lock_path: Path | str) -> Iterator[None]:
                     fcntl.lockf(fd, fcntl.LOCK_UN)
                 finally:
                     os.close(fd)
+
+
+def sha256_file(path: Path | str, chunk: int = 1 << 20) -> str:
+    """Streamed sha256 of a file's content (hex)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

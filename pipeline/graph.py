@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pipeline.errors import ConfigError
 
 # Each stage and the stages whose outputs it reads.
@@ -29,6 +31,17 @@ def weights_upstream(stage: str) -> str | None:
     """The training stage whose final checkpoint ``<stage>.init_from: auto`` loads (None: random init)."""
     ups = [u for u in upstream(stage) if u in TRAIN_STAGES]
     return ups[-1] if ups else None
+
+
+def required(stage: str, cfg: Any) -> tuple[str, ...]:
+    """Upstream stages whose outputs ``stage`` reads under ``cfg``: a training stage whose init_from is not
+    ``auto`` (a path, hf:<dir>, null) does not read its predecessor's weights; eval reads the stages it scores."""
+    ups = upstream(stage)
+    if stage in TRAIN_STAGES and getattr(cfg, stage).init_from != "auto":
+        return tuple(u for u in ups if u == "data_prep")
+    if stage == "eval":
+        return tuple(u for u in ups if u == "data_prep" or u in cfg.eval.models)
+    return ups
 
 
 def order(selected: list[str]) -> list[str]:

@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from pipeline.alarms import forward_alarms
 from pipeline.config import PipelineConfig, from_dict, stage_hashes
 from pipeline.graph import upstream
 from pipeline.jobenv import free_port, requeue_self, restart_count  # noqa: F401  (free_port re-exported)
@@ -219,11 +220,13 @@ def run_stage(
         out = _call_stage(stage, cfg, Path(run_dir))
     except BaseException as e:
         if rank == 0:
+            forward_alarms(ledger, stage)
             _record_failure(ledger, stage, cfg, e)
         if local_group and not _is_preempted(e):
             end_local_job()
         raise
     if rank == 0:
+        forward_alarms(ledger, stage)
         from pipeline.ledger import accounting
 
         extra = {

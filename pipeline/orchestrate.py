@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 from pipeline import progress
 from pipeline.config import PipelineConfig, run_dir_for, stage_hashes
-from pipeline.graph import dependencies, order, upstream
+from pipeline.graph import dependencies, order, required
 from pipeline.launch import free_port, make_executor, mark_submitted, run_stage, sbatch_script, stage_out_dir
 from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, STOPPED, Ledger, StageRecord
 from pipeline.plan import stage_plan
@@ -53,7 +53,7 @@ def decide(cfg: PipelineConfig, ledger: Ledger, alive: Any = None) -> Decision:
         else:
             d.submit.append(s)
     for s in d.submit:
-        for u in upstream(s):
+        for u in required(s, cfg):
             if u in selected:
                 continue
             rec = ledger.read(u)
@@ -228,8 +228,19 @@ def summarize(cfg: PipelineConfig, run_dir: Path, out: TextIO) -> int:
         print(f"  {s:<10} {status:<10} {stage_out_dir(run_dir, s)}", file=out)
         if s == "data_prep" and rec and rec.status == COMPLETED:
             print(data_counts_lines(rec.outputs), file=out, end="")
+    _write_report(run_dir, out)
     bad = [s for s in cfg.run.stages if (r := ledger.read(s)) and r.status in (FAILED, CANCELLED)]
     return 1 if bad else 0
+
+
+def _write_report(run_dir: Path, out: TextIO) -> None:
+    """The run's HTML report (pipeline.html_report); a failure to write it is reported, never fatal."""
+    from pipeline.html_report import write_report
+
+    try:
+        print(f"report: {write_report(run_dir)}", file=out)
+    except Exception as e:  # the run's result does not depend on its report
+        print(f"report: not written ({type(e).__name__}: {e})", file=out)
 
 
 def data_counts_lines(outputs: dict[str, Any]) -> str:
@@ -251,3 +262,13 @@ def _write_provenance(cfg: PipelineConfig, run_dir: Path) -> None:
     from pipeline.provenance import write_provenance
 
     write_provenance(cfg, run_dir)
+
+
+def write_sweep_report(root: str) -> None:
+    """After a sweep (``-m``): one report across the run directories under ``run.root``."""
+    from pipeline.html_report import write_report
+
+    try:
+        print(f"sweep report: {write_report(Path(root))}")
+    except Exception as e:
+        print(f"sweep report: not written ({type(e).__name__}: {e})")

@@ -67,7 +67,8 @@ def format_plan(cfg: PipelineConfig, estimates: list[StageEstimate]) -> str:
         f"hidden {m.hidden_size}, {m.num_attention_heads} heads / {m.num_query_groups or m.num_attention_heads} "
         f"kv groups, ffn {m.ffn_hidden_size or 4 * m.hidden_size}, vocab {config_vocab(cfg)}, seq {m.seq_length}",
         f"assumed GPU: {p.gpu_peak_tflops:g} TFLOP/s peak, {p.gpu_memory_gb:g} GiB ({p.reserve_gb:g} GiB "
-        f"reserved), MFU {p.mfu:g} (planner.*)",
+        f"reserved), MFU {p.mfu:g} (planner.*); filesystem {cfg.cluster.fs_bandwidth_gb_s:g} GB/s per node, "
+        f"sha256 {p.sha256_gb_s:g} GB/s per rank",
     ]
     if not estimates:
         lines.append("no training stage in run.stages: nothing to estimate")
@@ -78,8 +79,29 @@ def format_plan(cfg: PipelineConfig, estimates: list[StageEstimate]) -> str:
 
 def format_stage(est: StageEstimate) -> list[str]:
     """One stage's block: layout, batch, memory table per pipeline rank, compute, warnings."""
-    lines = _header(est) + [""] + _memory_table(est) + [""] + _compute(est)
+    lines = _header(est) + [""] + _memory_table(est) + [""] + _compute(est) + _checkpoint(est)
     return lines + [f"WARNING: {w}" for w in est.warnings()]
+
+
+def _checkpoint(est: StageEstimate) -> list[str]:
+    ck = est.checkpoint
+    if ck is None:
+        return []
+    rows = [
+        ("size", f"{_bytes(ck.total_bytes)} in all, {_bytes(ck.rank_bytes)} per rank (most), "
+         f"{_bytes(ck.node_bytes)} per node"),
+        ("save / load", f"{_duration(ck.save_s)} / {_duration(ck.load_s)} (cluster.fs_bandwidth_gb_s per node)"),
+        ("verify on resume, per rank", f"{_duration(ck.verify_s)} (one process alone: "
+         f"{_duration(ck.verify_rank0_alone_s)}; planner.sha256_gb_s)"),
+    ]  # fmt: skip
+    return ["checkpoint"] + [f"  {label}".ljust(_LABEL) + value for label, value in rows]
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1e3:.2f} kB"
 
 
 def _header(est: StageEstimate) -> list[str]:

@@ -215,6 +215,50 @@ class RankMemory:
 
 
 @dataclass(frozen=True)
+class CheckpointEstimate:
+    """Size of one checkpoint and the time to save, verify and load it, from bytes per rank and assumed speeds.
+
+    A checkpoint holds the weights (training precision) and the optimizer state (fp32 main params and Adam
+    moments); replicated tensors are written once, by data-parallel rank 0, and the distributed optimizer
+    spreads its state over the data-parallel ranks. Every rank writes and reads its files at once; a node's
+    ranks share ``cluster.fs_bandwidth_gb_s``. Verification (on resume, every rank its own files) reads the
+    files again and hashes them at ``planner.sha256_gb_s`` per rank.
+    """
+
+    total_bytes: int
+    rank_bytes: int
+    """The most bytes one rank writes (dp rank 0 of the largest pipeline rank)."""
+    node_bytes: int
+    save_s: float
+    load_s: float
+    verify_s: float
+    verify_rank0_alone_s: float
+    """What verification would take if one process hashed every file (for comparison)."""
+
+
+def checkpoint_estimate(cfg: PipelineConfig, est: StageEstimate) -> CheckpointEstimate:
+    """``CheckpointEstimate`` of stage estimate ``est`` under ``cfg.cluster`` / ``cfg.planner`` speeds."""
+    w, _, o = BYTES_PER_PARAM[est.parallel.precision]
+    dp = est.plan.dp
+    opt_share = dp if est.parallel.distributed_optimizer else 1
+    rank_bytes = max(r.params * w + r.params * o // opt_share for r in est.ranks)
+    total = sum(r.params for r in est.ranks) * est.plan.tp * (w + o)
+    node_bytes = min(rank_bytes * est.plan.tasks_per_node, total)
+    bw = cfg.cluster.fs_bandwidth_gb_s * 1e9
+    hash_rate = cfg.planner.sha256_gb_s * 1e9
+    io_s = node_bytes / bw
+    return CheckpointEstimate(
+        total_bytes=total,
+        rank_bytes=rank_bytes,
+        node_bytes=node_bytes,
+        save_s=io_s,
+        load_s=io_s,
+        verify_s=max(io_s, rank_bytes / hash_rate),
+        verify_rank0_alone_s=max(total / bw, total / hash_rate),
+    )
+
+
+@dataclass(frozen=True)
 class StageEstimate:
     """Everything the planner says about one training stage."""
 
@@ -230,6 +274,7 @@ class StageEstimate:
     step_time_s: float
     capacity: int | None
     suggestion: str | None = None
+    checkpoint: CheckpointEstimate | None = None
 
     @property
     def peak(self) -> RankMemory:
@@ -321,6 +366,7 @@ def _estimate(cfg: PipelineConfig, stage: str) -> StageEstimate:
 def estimate_stage(cfg: PipelineConfig, stage: str) -> StageEstimate:
     """Estimate ``stage``; when it does not fit, attach the cheapest change that does (``suggest_fix``)."""
     est = _estimate(cfg, stage)
+    est = dataclasses.replace(est, checkpoint=checkpoint_estimate(cfg, est))
     if est.fits:
         return est
     return dataclasses.replace(est, suggestion=suggest_fix(cfg, stage))

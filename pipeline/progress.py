@@ -29,10 +29,17 @@ def format_record(stage: str, rec: dict[str, Any]) -> str | None:
                 parts.append(f"{label} {rec[key]:.3f}")
         if "tokens_per_s" in rec:
             parts.append(f"{rec['tokens_per_s']:,.0f} tok/s")
+        if isinstance(rec.get("mfu"), (int, float)):
+            parts.append(f"MFU {100 * rec['mfu']:.1f}%")
+        mem = rec.get("mem_alloc_gb", rec.get("mem_rss_gb"))
+        if isinstance(mem, (int, float)):
+            parts.append(f"mem {mem:.2f} GiB" + (" RSS" if "mem_rss_gb" in rec else ""))
         parts.append(f"ETA {fmt_duration(rec.get('eta_s'))}")
         return "  ".join(parts)
     if kind == "valid":
         return f"[{stage}] step {rec.get('step')}  valid loss {rec.get('loss', float('nan')):.4f}  ppl {rec.get('ppl', float('nan')):.2f}"
+    if kind == "alarm":
+        return f"[{stage}] ALARM {rec.get('alarm')} at step {rec.get('step')}: {rec.get('message')}"
     if kind == "info" and "message" in rec:
         return f"[{stage}] {rec['message']}"
     return None
@@ -77,3 +84,21 @@ class Follower:
             except json.JSONDecodeError:
                 continue
         return out
+
+
+def last_record(path: Path, kind: str) -> dict[str, Any] | None:
+    """The newest record of ``kind`` in a metrics file (reads its tail only)."""
+    if not path.exists():
+        return None
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        f.seek(max(f.tell() - 65536, 0))
+        data = f.read()
+    for line in reversed(data.splitlines()):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == kind:
+            return rec
+    return None

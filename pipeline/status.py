@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.alarms import format_alarm, read_alarms
 from pipeline.config import STAGES
 from pipeline.graph import upstream
 from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, Ledger, StageRecord, accounting
@@ -35,6 +36,7 @@ class StageView:
     job_ids: str = ""
     stderr: str | None = None
     accounting: str = ""
+    alarms: list[str] = field(default_factory=list)
 
 
 def view(rec: StageRecord | None, stage: str) -> StageView:
@@ -103,6 +105,8 @@ def run_status(run_dir: Path) -> list[StageView]:
     views = [view(rec, s) for s in STAGES if (rec := ledger.read(s)) is not None]
     _name_blockers(views)
     _add_accounting(run_dir, ledger, views)
+    for v in views:
+        v.alarms = [format_alarm(a) for a in read_alarms(run_dir, v.stage)]
     return views
 
 
@@ -114,6 +118,9 @@ def format_status(run_dir: Path, views: list[StageView]) -> str:
             lines += [f"{'':<10} log: {v.log}"] + ([f"{'':<10} stderr: {v.stderr}"] if v.stderr else [])
         if v.accounting:
             lines.append(f"{'':<10} {v.accounting}")
+        lines += [f"{'':<10} {a}" for a in v.alarms[-5:]]
+        if len(v.alarms) > 5:
+            lines.append(f"{'':<10} ({len(v.alarms) - 5} earlier alarm(s) in {v.stage}'s metrics.jsonl)")
     failed = [v for v in views if v.state == FAILED]
     if failed:
         lines.append(
@@ -132,12 +139,36 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.cli import not_a_run_dir
 
         return not_a_run_dir(a.run_dir)
-    while True:
-        views = run_status(a.run_dir)
-        print(format_status(a.run_dir, views), flush=True)
-        if not a.watch or not any(v.state in ("submitted", "pending", "running", "requeued") for v in views):
-            return 1 if any(v.state in (FAILED, BLOCKED, CANCELLED) for v in views) else 0
-        time.sleep(a.watch)
+    live = bool(a.watch) and sys.stdout.isatty()
+    try:
+        while True:
+            views = run_status(a.run_dir)
+            text = format_status(a.run_dir, views)
+            if a.watch:
+                text += "\n" + live_lines(a.run_dir, views, a.watch)
+            # a terminal: redraw in place (cursor home, clear screen); a pipe: one block per refresh
+            print(("\x1b[H\x1b[2J" if live else "") + text, flush=True)
+            if not a.watch or not any(v.state in ACTIVE_VIEW for v in views):
+                return 1 if any(v.state in (FAILED, BLOCKED, CANCELLED) for v in views) else 0
+            time.sleep(a.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+ACTIVE_VIEW = ("submitted", "pending", "running", "requeued")
+
+
+def live_lines(run_dir: Path, views: list[StageView], every: float) -> str:
+    """For --watch: each active stage's newest progress line (step, loss, tokens/s, MFU, memory, ETA)."""
+    from pipeline.progress import format_record, last_record
+
+    lines = []
+    for v in views:
+        if v.state in ACTIVE_VIEW:
+            rec = last_record(Path(run_dir) / "stages" / v.stage / "metrics.jsonl", "train")
+            lines.append((rec and format_record(v.stage, rec)) or f"[{v.stage}] no step yet")
+    stamp = time.strftime("%H:%M:%S")
+    return "\n".join(lines + [f"refreshed {stamp}, every {every:g} s (Ctrl-C to quit)"])
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ Steps (``main``):
 4. Tokenize and write megatron indexed datasets ``text_train`` / ``text_valid`` (one document per
    entry, eod appended, uint16 when the vocabulary fits). Under ``mpiexec -n N`` (mpi4py, imported only
    then) every rank tokenizes a contiguous shard of the documents into its own indexed dataset and rank
-   0 concatenates the shards in rank order with ``IndexedDatasetBuilder.add_index``; one rank goes
+   0 concatenates the shards in rank order with ``IndexedWriter.add_index`` (stages/indexed.py); one rank goes
    through the same code with a single shard, so the output is byte-identical for any N.
 5. Write ``sft_train.jsonl``, ``pref_train.jsonl``, ``eval_task.jsonl``, ``eval_pref.jsonl`` (held-out
    prompts never appear in a training file) and ``tokenizer.json``.
@@ -100,8 +100,6 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     tok_json = world.on_root(lambda: build_tokenizer(d, train_docs).to_str())
     tokenizer = _tokenizer_from_str(tok_json)
     timings["tokenizer_s"] = time.perf_counter() - t
-
-    import megatron.core.datasets.indexed_dataset  # noqa: F401  (slow first import: keep it out of the timing)
 
     t = time.perf_counter()
     dtype = token_dtype(tokenizer.vocab_size)
@@ -367,16 +365,14 @@ def token_dtype(vocab_size: int) -> type[np.number]:
 
 def write_shard(tokenizer: Tokenizer, docs: list[str], prefix: Path, dtype: type[np.number]) -> int:
     """Tokenize ``docs`` into indexed dataset ``prefix``.bin/.idx (one entry per document, eod appended)."""
-    import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from stages.indexed import IndexedWriter  # megatron's format without importing megatron.core
 
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    builder = IndexedWriter(f"{prefix}.bin", dtype=dtype)
     total = 0
     for i in range(0, len(docs), ENCODE_BATCH):
         for ids in tokenizer.encode_batch(docs[i : i + ENCODE_BATCH]):
             ids.append(tokenizer.eod)
-            builder.add_item(torch.from_numpy(np.asarray(ids, dtype=np.int64)))
-            builder.end_document()
+            builder.add_document(ids)
             total += len(ids)
     builder.finalize(f"{prefix}.idx")
     return total
@@ -384,10 +380,10 @@ def write_shard(tokenizer: Tokenizer, docs: list[str], prefix: Path, dtype: type
 
 def merge_shards(shards: list[Path], prefix: Path, dtype: type[np.number]) -> None:
     """Concatenate shard datasets in order into ``prefix``.bin/.idx (temp names, then renamed)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from stages.indexed import IndexedWriter
 
     tmp = prefix.with_name(f".{prefix.name}.tmp")
-    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
+    builder = IndexedWriter(f"{tmp}.bin", dtype=dtype)
     for shard in shards:
         builder.add_index(str(shard))
     builder.finalize(f"{tmp}.idx")
@@ -663,8 +659,6 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: _World) -> dict[str, 
     tokenizer = _tokenizer_from_str(tok_json)
     dtype = token_dtype(tokenizer.vocab_size)
     timings["tokenizer_s"] = time.perf_counter() - t
-
-    import megatron.core.datasets.indexed_dataset  # noqa: F401  (slow first import: keep it out of the timing)
 
     t = time.perf_counter()
     key = _digest({"data": cfg.to_dict()["data"], "tokenizer": tok_json})

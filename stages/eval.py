@@ -75,6 +75,13 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         results: dict[str, Any] = {}
         skipped: dict[str, str] = {}
         for stage in ev.models:
+            if stage.startswith("hf:"):  # a Hugging Face directory, scored as it is (e.g. the base model)
+                results[stage] = {
+                    "checkpoint": stage[3:],
+                    "iteration": None,
+                    **_eval_hf(chunks, stage, tok, sets, cfg),
+                }
+                continue
             if stage not in ctx.inputs:
                 skipped[stage] = "not in this run"
                 continue
@@ -118,6 +125,17 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         k: {m: v[m] for m in ("perplexity", "task_accuracy", "pref_accuracy")} for k, v in results.items()
     }
     return {"results": str(Path(ctx.out_dir) / RESULTS), "models": summary, "skipped": skipped}
+
+
+def _eval_hf(
+    chunks: list[Any], ref: str, tok: Any, sets: dict[str, Any], cfg: PipelineConfig
+) -> dict[str, Any]:
+    from pipeline.hf_arch import model_config, parse_ref
+    from stages.engine.convert.hf import load_hf
+
+    hf_dir = parse_ref(ref) or Path(ref)
+    load_hf(chunks, hf_dir, model_config(hf_dir))
+    return evaluate(chunks[0], tok, sets, cfg)
 
 
 # ---------------------------------------------------------------------------- data
@@ -193,9 +211,13 @@ def evaluate(model: Any, tok: Any, sets: dict[str, Any], cfg: PipelineConfig) ->
 
 
 def _stack(items: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+    """Items stacked into a batch on the engine's device (where the model is)."""
     import torch
 
-    return {k: torch.from_numpy(np.stack([x[k] for x in items])) for k in items[0]}
+    from stages.engine import distributed as D
+
+    dev = D.device()
+    return {k: torch.from_numpy(np.stack([x[k] for x in items])).to(dev) for k in items[0]}
 
 
 def _nll(model: Any, tokens: Any, labels: Any) -> Any:
@@ -203,41 +225,22 @@ def _nll(model: Any, tokens: Any, labels: Any) -> Any:
     import torch
 
     b, s = tokens.shape
-    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     return model(tokens, pos, None, labels=labels).float()
 
 
 def generate(model: Any, tok: Any, prompts: list[str], max_new_tokens: int, seq_length: int) -> list[str]:
     """Greedy continuations of ``<|user|>{prompt}<|assistant|>`` up to eod (not included) or ``max_new_tokens``.
 
-    The batch is right-padded: with causal attention, pad positions after a sequence's end do not change
-    the logits at its last real token, which is the one read.
+    Batched, with the KV cache, on the model's device: the engine's generator (stages/engine/generate.py).
     """
-    import torch
+    from stages.engine.generate import SamplingParams
+    from stages.engine.generate import generate as engine_generate
 
     seqs = [tok.prompt_ids(p)[-(seq_length - max_new_tokens) :] for p in prompts]
-    new: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    for _ in range(max_new_tokens):
-        if all(done):
-            break
-        width = max(len(s) for s in seqs)
-        tokens = torch.full((len(seqs), width), tok.pad, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tokens[i, : len(s)] = torch.tensor(s)
-        pos = torch.arange(width).unsqueeze(0).expand(len(seqs), width)
-        logits = model(tokens, pos, None)  # [b, s, padded vocab]
-        last = torch.tensor([len(s) - 1 for s in seqs])
-        nxt = logits[torch.arange(len(seqs)), last, : tok.vocab_size].argmax(-1).tolist()
-        for i, t in enumerate(nxt):
-            if done[i]:
-                continue
-            if t == tok.eod:
-                done[i] = True
-                continue
-            seqs[i].append(t)
-            new[i].append(t)
-    return [tok.decode(ids) for ids in new]
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_tokens=(tok.eod,))
+    out = engine_generate([model], seqs, params, vocab_size=tok.vocab_size, pad_id=tok.pad)
+    return [tok.decode(ids) for ids in out.tokens]
 
 
 def _iteration(ckpt: Path) -> int | None:

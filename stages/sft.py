@@ -22,7 +22,7 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
 
             train = chat_sft_source(d / chat_file, tokenizer, seq_length, st.seed)
         else:
-            train = sft_source(d / "sft_train.jsonl", tokenizer, seq_length, st.seed)
+            train = sft_source(d / "sft_train.jsonl", tokenizer, seq_length, st.seed, pack=st.pack_examples)
         return train, valid_source(d / "text_valid", tokenizer, seq_length, st.seed)  # watch forgetting
 
     return train_stage(cfg, ctx, step=make_step("sft"), sources=sources)

@@ -8,7 +8,7 @@ SPEC keys: model, parallel, stage (overrides of ModelConfig / ParallelConfig / T
 load_weights (a checkpoint root for the model weights only, every model chunk, written with
 stages.engine.checkpoint), ckpt (a checkpoint root: resume from it and save every ``save_interval``
 steps through the trainer's Checkpointer), save_interval, metrics (a metrics.jsonl path), out (result
-file of rank 0; set by launch).
+file of rank 0; set by launch), tensorboard (a TensorBoard log dir), raising_sink (add a sink that raises).
 """
 
 from __future__ import annotations
@@ -97,6 +97,22 @@ def _checkpointer(spec: dict[str, Any]) -> Any:
     return Checkpointer(Path(spec["ckpt"]), spec.get("save_interval", 1000))
 
 
+def _callbacks(spec: dict[str, Any]) -> Any:
+    """``tensorboard``: a TensorBoard sink writing there; ``raising_sink``: a sink that raises at every hook."""
+    from stages.engine.callbacks import Callback, Callbacks
+
+    class Raising(Callback):
+        def on_step_end(self, view: Any) -> None:
+            raise RuntimeError("sink broken")
+
+    cbs: list[Any] = [Raising()] if spec.get("raising_sink") else []
+    if spec.get("tensorboard"):
+        from stages.engine.callbacks.tensorboard import TensorBoard
+
+        cbs.append(TensorBoard(Path(spec["tensorboard"])))
+    return Callbacks(cbs) if cbs else None
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from pipeline.config import ModelConfig, ParallelConfig, TrainStage
     from stages.context import MetricsWriter
@@ -144,6 +160,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             valid_source=valid,
             metrics=metrics,
             checkpointer=_checkpointer(spec),
+            callbacks=_callbacks(spec),
         )
         trainer.restore()
         resumed = trainer.state()

@@ -46,7 +46,8 @@ def test_cpu_bench_prints_the_single_rank_ratio(tmp_path: Path) -> None:
 def test_gpu_llama_1b_bench_reports_mfu(tmp_path: Path) -> None:
     """A few bf16 steps of the 1B Llama through the engine path, with its MFU."""
     out = tmp_path / "figures.json"
-    args = ["--gpu-only", "--steps", "3", "--warmup", "2", "--gpu-seq", "1024", "--gpu-batch", "2"]
+    args = ["--gpu-only", "--steps", "3", "--warmup", "2", "--gpu-seqs", "1024", "--gpu-tokens", "2048"]
+    args += ["--gpu-models", "llama3.2-1b"]
     r = subprocess.run(
         [sys.executable, str(BENCH), *args, "--json", str(out)], capture_output=True, text=True, timeout=880
     )

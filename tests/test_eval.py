@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(
     for stage in ("pretrain", "sft"):
         save(run / "stages" / stage / "checkpoints", 3, model_chunks=chunks, optimizer=None,
              scheduler=None, state={}, final=True)
-    # Batched right-padded greedy generation equals one prompt at a time.
+    # Batched greedy generation (prompts of different lengths, KV cache) equals one prompt at a time.
     prompts = ["What is 1 + 2?", "What is 12 - 3?", "What is 29 + 30?"]
     chunks[0].eval()
     batched = ev.generate(chunks[0], tok, prompts, 5, cfg.model.seq_length)

@@ -290,7 +290,9 @@ def test_run_identity_classifies_every_schema_field() -> None:
         parts = leaf.split(".")
         reason = (
             config.IDENTITY_EXCLUDED_SECTIONS.get(parts[0])
-            or (len(parts) == 2 and config.IDENTITY_EXCLUDED_STAGE_KEYS.get(parts[1]))
+            or (
+                len(parts) >= 2 and config.IDENTITY_EXCLUDED_STAGE_KEYS.get(parts[1])
+            )  # a whole sub-config (monitor)
             or (len(parts) == 3 and parts[1] == "parallel" and parts[2] not in config.IDENTITY_PARALLEL_KEYS)
         )
         if leaf in included and reason:

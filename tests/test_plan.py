@@ -331,3 +331,19 @@ def test_every_model_yaml_composes_and_validates(path: Path) -> None:
     cfg = compose_config([f"model={path.stem}"])
     assert isinstance(cfg, PipelineConfig)
     assert cfg.model.name in (path.stem, "tiny-gpt")
+
+
+def test_checkpoint_estimate_from_bytes_per_rank_and_bandwidth() -> None:
+    from pipeline.planner import estimate_stage, param_count
+
+    over = ["model=llama3.1-8b", "cluster=gpu_ib", "run.stages=[pretrain]", "pretrain.parallel.tp=8"]
+    over += ["pretrain.parallel.nodes=2", "pretrain.parallel.precision=bf16", "cluster.fs_bandwidth_gb_s=4"]
+    over += ["pretrain.parallel.micro_batch_size=1", "pretrain.parallel.global_batch_size=16"]
+    cfg = compose_config(over)
+    ck = estimate_stage(cfg, "pretrain").checkpoint
+    assert ck is not None
+    params = param_count(cfg.model, pad_for_tp=8)
+    assert ck.total_bytes == pytest.approx(params * (2 + 12), rel=1e-3)  # bf16 weights + fp32 main + Adam
+    assert ck.rank_bytes == pytest.approx(ck.total_bytes / 8, rel=1e-3)  # tp 8, no distributed optimizer
+    assert ck.save_s == pytest.approx(8 * ck.rank_bytes / 4e9)  # 8 ranks per node share 4 GB/s
+    assert ck.verify_rank0_alone_s > 2 * ck.verify_s  # one process hashes 112 GB at 1.5 GB/s

@@ -61,6 +61,13 @@ _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$|^rng\.rank(\d+)\.pt$")
 _DISTOPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _HASH_BLOCK = 4 << 20
+_SAMPLES = 8
+"""Blocks per file whose hashes the marker records for ``sampled`` verification."""
+VERIFY_MODES = ("full", "sampled", "sizes")
+"""``full``: every byte against the whole-file sha256 (the default); ``sampled``: sizes plus up to
+``_SAMPLES`` blocks per file; ``sizes``: sizes only."""
+_VERIFY_MODE = "full"
+_VERIFY_THREADS = 4
 
 
 WRITE_FAILURES: tuple[type[BaseException], ...] = (Exception, _CheckpointException)
@@ -96,16 +103,34 @@ def _on_rank0(fn: Callable[[], Any], what: str) -> Any:
 # ---------------------------------------------------------------------------- files, hashes, atomic writes
 
 
-def _file_record(path: Path, *, fsync: bool = False) -> dict[str, Any]:
-    """``{"size", "sha256"}`` of a file, read once; with ``fsync`` its data is flushed to disk first."""
-    digest, size = hashlib.sha256(), 0
+def _sample_blocks(size: int) -> list[int]:
+    """Indices of the ``_HASH_BLOCK``-sized blocks the ``sampled`` verification reads: evenly spread,
+    first and last included, at most ``_SAMPLES`` of them."""
+    count = -(-size // _HASH_BLOCK)
+    if count <= _SAMPLES:
+        return list(range(count))
+    return sorted({round(i * (count - 1) / (_SAMPLES - 1)) for i in range(_SAMPLES)})
+
+
+def _file_record(path: Path, *, fsync: bool = False, samples: bool = True) -> dict[str, Any]:
+    """``{"size", "sha256", "blocks"}`` of a file, read once; with ``fsync`` its data is flushed first.
+
+    ``blocks`` maps the sampled block indices (``_sample_blocks``) to their own sha256, for the cheaper
+    ``sampled`` verification; ``sha256`` is the whole file's and is what ``full`` verification checks.
+    """
+    digest, size, index = hashlib.sha256(), 0, 0
     with open(path, "rb") as f:
         if fsync:
             os.fsync(f.fileno())
+        wanted = set(_sample_blocks(os.fstat(f.fileno()).st_size)) if samples else set()
+        blocks = {}
         while block := f.read(_HASH_BLOCK):
             digest.update(block)
+            if index in wanted:
+                blocks[str(index)] = hashlib.sha256(block).hexdigest()
             size += len(block)
-    return {"size": size, "sha256": digest.hexdigest()}
+            index += 1
+    return {"size": size, "sha256": digest.hexdigest(), "blocks": blocks}
 
 
 def _owner(name: str) -> int:
@@ -154,30 +179,62 @@ def _read_marker(path: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- verification and discovery
 
 
-def verify(path: Path, *, checksums: bool = True) -> list[str]:
+def set_verify_mode(mode: str) -> None:
+    """How ``find_latest`` checks file contents from now on in this process (``VERIFY_MODES``)."""
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"checkpoint verify mode {mode!r}: expected one of {', '.join(VERIFY_MODES)}")
+    global _VERIFY_MODE
+    _VERIFY_MODE = mode
+
+
+def verify(path: Path, *, checksums: bool = True, mode: str | None = None) -> list[str]:
     """Problems of checkpoint ``path``, each naming the file and what failed; empty when it is good.
 
     Good: the marker is present and readable, its iteration matches the directory name, and every file
-    it lists is present with the recorded size and (with ``checksums``) sha256. Files the marker does
-    not list are ignored.
+    it lists is present with the recorded size and (``mode``, default ``full``; ``checksums=False`` means
+    ``sizes``) content. Files the marker does not list are ignored. One process checks every file; ranks
+    of a job share the work with ``verify_collective``.
     """
-    path = Path(path)
+    mode = mode or ("full" if checksums else "sizes")
+    meta, problems = _marker_check(Path(path))
+    if meta is None:
+        return problems
+    return problems + _check_files(Path(path), sorted(meta["files"].items()), mode)
+
+
+def _marker_check(path: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    """The marker of ``path`` (None when unusable) and the problems found in it."""
     if not path.is_dir():
-        return [f"{path}: not a directory"]
+        return None, [f"{path}: not a directory"]
     try:
         meta = _read_marker(path)
     except CheckpointError as e:
-        return [str(e)]
-    problems = []
+        return None, [str(e)]
     m = _ITER_DIR.match(path.name)
     if m and int(m.group(1)) != meta.get("iteration"):
-        problems.append(f"{path / MARKER}: iteration {meta.get('iteration')} does not match the name")
-    for rel, record in sorted(meta["files"].items()):
-        problems += _check_file(path / rel, record, checksums)
-    return problems
+        return meta, [f"{path / MARKER}: iteration {meta.get('iteration')} does not match the name"]
+    return meta, []
 
 
-def _check_file(path: Path, record: Any, checksums: bool) -> list[str]:
+def share(files: dict[str, Any], rank: int, world: int) -> list[tuple[str, Any]]:
+    """The marker entries rank ``rank`` of ``world`` verifies: the files rank ``r`` wrote go to rank
+    ``r % world`` (the rank that reads them back when the layout is unchanged); shared files to rank 0."""
+    return [(rel, rec) for rel, rec in sorted(files.items()) if _owner(Path(rel).name) % world == rank]
+
+
+def _check_files(directory: Path, entries: list[tuple[str, Any]], mode: str) -> list[str]:
+    """Problems of the listed files, hashed by up to ``_VERIFY_THREADS`` threads (hashlib frees the GIL)."""
+    if len(entries) <= 1 or mode == "sizes":
+        return [p for rel, rec in entries for p in _check_file(directory / rel, rec, mode)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(_VERIFY_THREADS, len(entries))) as pool:
+        found = pool.map(lambda e: _check_file(directory / e[0], e[1], mode), entries)
+        return [p for problems in found for p in problems]
+
+
+def _check_file(path: Path, record: Any, checksums: bool | str) -> list[str]:
+    mode = checksums if isinstance(checksums, str) else ("full" if checksums else "sizes")
     if not isinstance(record, dict) or not {"size", "sha256"} <= record.keys():
         return [f"{path}: the marker's entry {record!r} lacks size/sha256"]
     try:
@@ -186,32 +243,85 @@ def _check_file(path: Path, record: Any, checksums: bool) -> list[str]:
         return [f"{path}: missing"]
     if size != record["size"]:
         return [f"{path}: size {size} bytes, the marker records {record['size']}"]
-    if checksums:
-        digest = _file_record(path)["sha256"]
+    if mode == "full":
+        digest = _file_record(path, samples=False)["sha256"]
         if digest != record["sha256"]:
             return [f"{path}: sha256 {digest[:16]} differs from the marker's {record['sha256'][:16]}"]
+    elif mode == "sampled":
+        return _check_samples(path, record)
     return []
 
 
-def find_latest(ckpt_root: Path, *, collective: bool = True) -> Path | None:
+def _check_samples(path: Path, record: dict[str, Any]) -> list[str]:
+    blocks = record.get("blocks")
+    if not isinstance(blocks, dict):
+        return _check_file(path, record, "full")  # a marker from before sampled hashes: check it all
+    with open(path, "rb") as f:
+        for index, expected in sorted(blocks.items(), key=lambda kv: int(kv[0])):
+            f.seek(int(index) * _HASH_BLOCK)
+            if hashlib.sha256(f.read(_HASH_BLOCK)).hexdigest() != expected:
+                return [f"{path}: block {index} ({_HASH_BLOCK} bytes) differs from the marker's sha256"]
+    return []
+
+
+def verify_collective(path: Path, mode: str | None = None) -> list[str]:
+    """``verify`` shared by every rank; collective (call it on all ranks), same answer on every rank.
+
+    Rank 0 reads the marker and sends its file table; each rank checks its ``share`` (the files it wrote
+    or will read) in parallel with the others; the problems of all ranks are gathered on every rank.
+    """
+    mode = mode or _VERIFY_MODE
+    if _world() == 1:
+        return verify(path, mode=mode)
+    path = Path(path)
+    meta, problems = _on_rank0(lambda: _marker_check(path), f"reading the marker of {path}")
+    mine: list[str] = []
+    if meta is not None:
+        try:
+            mine = _check_files(path, share(meta["files"], _rank(), _world()), mode)
+        except OSError as e:
+            mine = [f"rank {_rank()}: reading {path} failed: {e}"]
+    gathered: list[list[str]] = _all_gather(mine)
+    return problems + [p for rank_problems in gathered for p in rank_problems]
+
+
+def find_latest(ckpt_root: Path, *, collective: bool = True, mode: str | None = None) -> Path | None:
     """The newest checkpoint under ``ckpt_root`` that verifies, or None.
 
     Incomplete saves (temp directories, no marker) and corrupt checkpoints are logged as warnings, naming
     the file and the fault, and skipped; nothing is deleted. With ``collective`` and an initialized
-    process group, rank 0 does the checking and every rank gets its answer (call it on all ranks).
+    process group (call it on all ranks), every rank checks its share of each candidate's files
+    (``verify_collective``) and all ranks get the same answer. ``mode``: ``VERIFY_MODES`` (default: the
+    process's ``set_verify_mode``, ``full`` unless changed).
     """
-    if collective and _world() > 1:
-        found = _on_rank0(lambda: _find_latest_here(Path(ckpt_root)), f"find_latest({ckpt_root})")
+    ckpt_root, mode = Path(ckpt_root), mode or _VERIFY_MODE
+    if not (collective and _world() > 1):
+        found = _find_latest_here(ckpt_root, mode)
         return Path(found) if found else None
-    found = _find_latest_here(Path(ckpt_root))
-    return Path(found) if found else None
+    names = _on_rank0(lambda: _candidates(ckpt_root), f"listing {ckpt_root}")
+    for name in names:
+        path = ckpt_root / name
+        problems = verify_collective(path, mode)
+        if not problems:
+            if _rank() == 0:
+                _check_latest_pointer(ckpt_root, path)
+            return path
+        if _rank() == 0:
+            log.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
+    return None
 
 
-def _find_latest_here(ckpt_root: Path) -> str | None:
+def _candidates(ckpt_root: Path) -> list[str]:
+    """Names of the committed-looking checkpoints, newest first; warns about unfinished saves."""
     for tmp in sorted(ckpt_root.glob("tmp.iter_*")):
         log.warning("incomplete checkpoint %s: the save did not finish; ignored, kept for inspection", tmp)
-    for _, path in _iter_dirs(ckpt_root):
-        problems = verify(path)
+    return [path.name for _, path in _iter_dirs(ckpt_root)]
+
+
+def _find_latest_here(ckpt_root: Path, mode: str = "full") -> str | None:
+    for name in _candidates(ckpt_root):
+        path = ckpt_root / name
+        problems = verify(path, mode=mode)
         if not problems:
             _check_latest_pointer(ckpt_root, path)
             return str(path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -162,6 +163,19 @@ def needed() -> bool:
 
 def installed() -> bool:
     return bool(_ORIGINALS)
+
+
+def skip_torch_compile() -> None:
+    """Make ``torch.compile`` a no-op in this process (``TORCHDYNAMO_DISABLE=1`` unless already set); CPU only.
+
+    megatron-core wraps its fused helpers in ``torch.compile`` at import time, which imports TorchInductor:
+    1.5 s of every training job's start-up here. On CPU none of those helpers is on our path (bias and
+    activation fusions are off) and compiling them with Inductor would cost more than it saves. Call before
+    megatron is imported; ``TORCHDYNAMO_DISABLE=0`` in the environment keeps torch.compile.
+    """
+    if not needed():
+        return
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def install() -> bool:

@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.fsio import sha256_file  # noqa: F401  (re-exported for data_prep)
+
 SPECIAL_TOKENS: dict[str, str] = {
     "eod": "<|endoftext|>",
     "pad": "<|pad|>",
@@ -125,14 +127,6 @@ def read_manifest(data_dir: str | Path, verify: bool = True) -> dict[str, Any]:
             if not f.is_file() or f.stat().st_size != info["bytes"] or sha256_file(f) != info["sha256"]:
                 raise ValueError(f"{f}: missing or does not match its checksum in {path}")
     return manifest
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------- sources
@@ -285,10 +279,14 @@ def sft_source(
 ) -> EpochSource:
     """SFT samples from ``{"prompt", "response"}`` lines; loss on response tokens and the closing eod.
 
-    Default: one example per row. With ``pack`` consecutive examples of the file share a row while
-    they fit, each one complete (``<|user|>...<|assistant|>...<|endoftext|>``), so short examples do
-    not waste the row on padding; a sample is then a row, not an example (later examples in a row
-    see earlier ones as context).
+    Default: one example per row. With ``pack`` (``sft.pack_examples``) consecutive examples of the file
+    share a row while they fit, each one complete (``<|user|>...<|assistant|>...<|endoftext|>``), so short
+    examples do not waste the row on padding; a sample is then a row, not an example. Packed rows carry
+    ``position_ids`` that restart at 0 for each example and ``segment_ids`` (the example's number in the
+    row; padding is one more segment), from which the step builds a block-diagonal causal attention mask:
+    each example sees only itself, so its loss is the one it has alone in a row
+    (tests/test_attention.py). With RoPE the positions are not used, but the scores depend only on
+    relative positions within the example, so the result is the same.
     """
     recs = read_jsonl(jsonl_path, ("prompt", "response"))
     prompts = tokenizer.encode_batch([r["prompt"] for r in recs])
@@ -296,13 +294,15 @@ def sft_source(
     rows: list[dict[str, np.ndarray]] = []
     cur_ids: list[int] = []
     cur_loss: list[int] = []
+    cur_starts: list[int] = []
     truncated = 0
 
     def flush() -> None:
         if cur_ids:
-            rows.append(_row(cur_ids, cur_loss, seq_length, tokenizer.pad))
+            rows.append(_row(cur_ids, cur_loss, seq_length, tokenizer.pad, cur_starts if pack else None))
             cur_ids.clear()
             cur_loss.clear()
+            cur_starts.clear()
 
     for p, r in zip(prompts, responses):
         ids = [tokenizer.user, *p, tokenizer.assistant, *r, tokenizer.eod]
@@ -311,6 +311,7 @@ def sft_source(
             ids, loss, truncated = ids[: seq_length + 1], loss[: seq_length + 1], truncated + 1
         if not pack or len(cur_ids) + len(ids) > seq_length + 1:
             flush()
+        cur_starts.append(len(cur_ids))
         cur_ids += ids
         cur_loss += loss
     flush()
@@ -324,19 +325,34 @@ def sft_source(
     return source
 
 
-def _row(ids: list[int], loss: list[int], seq_length: int, pad: int) -> dict[str, np.ndarray]:
-    """Arrays of one row from token ids and per-id loss flags (label j is ids[j + 1])."""
+def _row(
+    ids: list[int], loss: list[int], seq_length: int, pad: int, starts: list[int] | None = None
+) -> dict[str, np.ndarray]:
+    """Arrays of one row from token ids and per-id loss flags (label j is ids[j + 1]).
+
+    ``starts``: offsets of the packed examples in ``ids``; adds ``segment_ids`` and restarts
+    ``position_ids`` per example (see ``sft_source``).
+    """
     n = len(ids) - 1
     tokens = np.full(seq_length, pad, dtype=np.int64)
     labels = np.full(seq_length, pad, dtype=np.int64)
     mask = np.zeros(seq_length, dtype=np.float32)
     tokens[:n], labels[:n], mask[:n] = ids[:-1], ids[1:], loss[1:]
-    return {
+    row = {
         "tokens": tokens,
         "labels": labels,
         "loss_mask": mask,
         "position_ids": np.arange(seq_length, dtype=np.int64),
     }
+    if starts is not None:
+        segments = np.full(seq_length, len(starts), dtype=np.int64)
+        bounds = [*starts, n]
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            segments[a:b] = i
+            row["position_ids"][a:b] = np.arange(b - a)
+        row["position_ids"][n:] = np.arange(seq_length - n)
+        row["segment_ids"] = segments
+    return row
 
 
 def preference_source(jsonl_path: Path, tokenizer: Tokenizer, seq_length: int, seed: int) -> EpochSource:

@@ -440,11 +440,10 @@ def unit_done(scratch: Path, unit: Unit) -> dict[str, Any] | None:
 
 def write_unit(unit: Unit, src: Any, d: Any, tokenizer: Any, dtype: Any, scratch: Path) -> dict[str, Any]:
     """Tokenize one unit into its shards (one per split) and write its done marker last; returns its counts."""
-    import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from stages.indexed import IndexedWriter  # megatron's format without importing megatron.core
 
     stem = scratch / f"u{unit.index:06d}"
-    builders = {s: IndexedDatasetBuilder(f"{stem}-{s}.bin", dtype=dtype) for s in SPLITS}
+    builders = {s: IndexedWriter(f"{stem}-{s}.bin", dtype=dtype) for s in SPLITS}
     hashes: dict[str, list[bytes]] = {s: [] for s in SPLITS}
     counts: dict[str, int] = {"documents": 0, "malformed": 0, "empty": 0, "too_short": 0, "too_long": 0}
     tokens = dict.fromkeys(SPLITS, 0)
@@ -454,8 +453,7 @@ def write_unit(unit: Unit, src: Any, d: Any, tokenizer: Any, dtype: Any, scratch
     def flush() -> None:
         for (split, _), ids in zip(pending, tokenizer.encode_batch([t for _, t in pending])):
             ids.append(tokenizer.eod)
-            builders[split].add_item(torch.from_numpy(np.asarray(ids, dtype=np.int64)))
-            builders[split].end_document()
+            builders[split].add_document(ids)
             tokens[split] += len(ids)
         pending.clear()
 
@@ -505,10 +503,10 @@ def merge_units(
     With ``seen`` (dedup on), a document whose hash was seen before is dropped. Returns (documents,
     tokens, duplicates per source index).
     """
-    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    from stages.indexed import IndexedWriter, documents
 
     tmp = prefix.with_name(f".{prefix.name}.tmp")
-    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
+    builder = IndexedWriter(f"{tmp}.bin", dtype=dtype)
     docs = toks = 0
     dups: dict[int, int] = {}
     for u in units:
@@ -524,17 +522,14 @@ def merge_units(
                     seen.add(key)
         if not len(hashes):
             continue
-        ds = IndexedDataset(stem)
+        unit_tokens, offsets = documents(stem)
         if keep.all():
             builder.add_index(stem)
-            toks += int(ds.sequence_lengths.sum())
+            toks += int(offsets[-1])
         else:
-            import torch
-
             for j in np.flatnonzero(keep):
-                item = ds[int(j)]
-                builder.add_item(torch.from_numpy(np.asarray(item, dtype=np.int64)))
-                builder.end_document()
+                item = unit_tokens[offsets[j] : offsets[j + 1]]
+                builder.add_document(item)
                 toks += len(item)
             dups[u.source] = dups.get(u.source, 0) + int((~keep).sum())
         docs += int(keep.sum())

@@ -88,6 +88,7 @@ def init(
         )
     from stages.engine import cpu_compat
 
+    cpu_compat.skip_torch_compile()
     cpu_compat.install()
     from megatron.core import parallel_state
 
@@ -143,6 +144,11 @@ def _ps() -> Any:
 
 
 def device() -> torch.device:
+    """The device of this rank's model and of every tensor the engine, eval and the steps create.
+
+    The one place that decides it (CUDA's current device, else the CPU); nothing else in ``stages/`` calls
+    ``.cuda()`` or names ``"cuda"`` (tests/test_device.py checks both).
+    """
     return (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -257,3 +263,25 @@ def all_gather_object(obj: Any) -> list[Any]:
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()
+
+
+# ---------------------------------------------------------------------------- pipeline point-to-point
+
+
+def pp_group() -> Any:
+    return _ps().get_pipeline_model_parallel_group()
+
+
+def pp_next_rank() -> int:
+    """Global rank of the next pipeline stage (wraps from the last stage to the first)."""
+    return int(_ps().get_pipeline_model_parallel_next_rank())
+
+
+def pp_prev_rank() -> int:
+    """Global rank of the previous pipeline stage (wraps from the first stage to the last)."""
+    return int(_ps().get_pipeline_model_parallel_prev_rank())
+
+
+def pp_last_rank() -> int:
+    """Global rank of this rank's last pipeline stage."""
+    return int(_ps().get_pipeline_model_parallel_last_rank())

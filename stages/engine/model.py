@@ -1,4 +1,4 @@
-"""The model: megatron-core GPTModel with the local layer spec, wrapped for mixed precision and DDP.
+"""The model: megatron-core GPTModel (TE layer spec where TE imports, else local), in mixed precision and DDP.
 
 ``build_model`` returns the list of model chunks (one per virtual pipeline stage on this rank), each wrapped
 in megatron's DistributedDataParallel, with ``config.finalize_model_grads_func`` set (without it the
@@ -41,6 +41,7 @@ def transformer_config(model: ModelConfig, par: ParallelConfig) -> Any:
     elif par.recompute == "selective":
         recompute = {"recompute_granularity": "selective"}
     swiglu = model.activation == "swiglu"
+    on_gpu = D.device().type == "cuda"
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -53,6 +54,7 @@ def transformer_config(model: ModelConfig, par: ParallelConfig) -> Any:
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
         init_method_std=model.init_method_std,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
@@ -65,10 +67,35 @@ def transformer_config(model: ModelConfig, par: ParallelConfig) -> Any:
         bf16=par.precision == "bf16",
         fp16=par.precision == "fp16",
         calculate_per_token_loss=True,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        batch_p2p_comm=torch.cuda.is_available(),  # gloo: the interleaved schedule learns only without it
+        use_cpu_initialization=not on_gpu,
+        batch_p2p_comm=on_gpu,  # gloo: the interleaved schedule learns only without it
         **recompute,
     )
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine imports here (GPU clusters with TE; never on CPU or the lent H200)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a TE build that does not match this torch/CUDA
+        return False
+    return True
+
+
+def attention_impl() -> str:
+    """``te`` (Transformer Engine's layer spec: fused attention, TE norms, sequence parallel) where TE is
+    installed, else ``local`` (megatron's local spec with torch modules)."""
+    return "te" if transformer_engine_available() else "local"
+
+
+def layer_spec(local_spec: Any) -> Any:
+    """The transformer layer spec of ``attention_impl()``: TE's, else ``local_spec`` (the local spec with its
+    core attention); both save the same checkpoint keys."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if attention_impl() == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return local_spec
 
 
 def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None) -> Any:
@@ -77,9 +104,10 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization=model.normalization)
-    return GPTModel(
+    _set_core_attention(spec, model.attention_backend)
+    gpt = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=layer_spec(spec),
         vocab_size=vocab_size,
         max_sequence_length=model.max_position_embeddings or model.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -88,8 +116,35 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
         position_embedding_type=model.position_embedding,
         rotary_base=model.rotary_base,
         rope_scaling=model.rotary_scaling,
+        rope_scaling_factor=model.rotary_scaling_factor,
         vp_stage=vp_stage,
     )
+    if model.rotary_scaling and model.position_embedding == "rope":
+        _llama3_rope(gpt.rotary_pos_emb, model)
+    return gpt
+
+
+def _llama3_rope(rotary: Any, model: ModelConfig) -> None:
+    """Llama-3 RoPE scaling with all four of the model's settings (megatron's constructor takes the factor only)."""
+    dim = rotary.inv_freq.numel() * 2
+    base = 1.0 / (
+        model.rotary_base
+        ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rotary.inv_freq.device) / dim)
+    )
+    rotary.inv_freq = rotary._apply_scaling(
+        base,
+        factor=model.rotary_scaling_factor,
+        low_freq_factor=model.rotary_low_freq_factor,
+        high_freq_factor=model.rotary_high_freq_factor,
+        original_max_position_embeddings=model.rotary_original_max_positions,
+    )
+
+
+def _set_core_attention(spec: Any, backend: str) -> None:
+    """Put ``model.attention_backend``'s core attention (stages.engine.attention) into the local spec."""
+    from stages.engine.attention import core_attention_class
+
+    spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend)
 
 
 def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> list[Any]:
@@ -113,8 +168,7 @@ def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> lis
     for i in range(chunks):
         module = _gpt(model, config, vocab, i if chunks > 1 else None)
         init_by_global_name(module, config, D.base_seed(), D.tp_rank(), par.tp)  # same weights at any layout
-        if torch.cuda.is_available():
-            module.cuda(torch.cuda.current_device())
+        module.to(D.device())
         if par.precision != "fp32":
             module = Float16Module(config, module)
         ddp = DistributedDataParallel(config, ddp_config, module, disable_bucketing=i > 0)

@@ -7,6 +7,7 @@ after distributed init and model build (DPO uses the model to precompute referen
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,37 @@ def resolve_init_from(cfg: PipelineConfig, ctx: StageContext) -> Path | None:
         if up not in ctx.inputs:
             raise ValueError(f"{key}=auto: upstream stage {up!r} has no output directory in this run")
         return ctx.inputs[up] / "checkpoints"
-    path = Path(value)
+    from pipeline.hf_arch import parse_ref
+
+    path = parse_ref(value) or Path(value)
     if not path.exists():
         raise ValueError(f"{key}={value!r}: no such checkpoint directory")
     return path
+
+
+def startup_record(marks: dict[str, float]) -> dict[str, Any]:
+    """``{"kind": "startup", "to_first_step_s", ...}``: seconds from the process's start (the job's, for a
+    stage's job) to the first training step, and the parts: interpreter and imports, distributed init,
+    model build, data and optimizer, checkpoint restore (marks: wall times at the end of each part)."""
+    try:
+        import psutil
+
+        t0 = psutil.Process().create_time()
+    except Exception:  # no psutil, no /proc: count from the first mark
+        t0 = marks["imports"]
+    names = {
+        "imports": "imports_s",
+        "init": "init_s",
+        "model": "model_s",
+        "data": "data_s",
+        "restore": "restore_s",
+    }
+    record: dict[str, Any] = {"kind": "startup", "to_first_step_s": round(time.time() - t0, 3)}
+    prev = t0
+    for key, name in names.items():
+        record[name] = round(marks[key] - prev, 3)
+        prev = marks[key]
+    return record
 
 
 def _stage_cfg(cfg: PipelineConfig, name: str) -> TrainStage:
@@ -53,22 +81,30 @@ def data_dir(ctx: StageContext) -> Path:
 def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: Sources) -> dict[str, Any]:
     """Run one training stage on this rank; returns rank-0 outputs (checkpoint, final_loss, steps, ...)."""
     from stages.engine import distributed as D
-    from stages.engine.checkpoint import find_latest
+    from stages.engine.callbacks.setup import flops_per_step, peak_tflops, stage_callbacks
+    from stages.engine.checkpoint import find_latest, set_verify_mode
     from stages.engine.data import load_tokenizer
     from stages.engine.faults import FaultInjector
+    from stages.engine.meter import StepMeter
     from stages.engine.model import build_model, num_parameters
+    from stages.engine.oom import oom_report
     from stages.engine.signals import StopFlag, Watchdog
     from stages.engine.trainer import Checkpointer, Trainer, build_optimizer
 
     st = _stage_cfg(cfg, ctx.stage)
     par = st.parallel
     plan = ctx.plan
+    started = {"imports": time.time()}
     stop_flag = StopFlag().install()  # before init: a signal during start-up is not lost
     watchdog = Watchdog(st.hang_timeout_s, max_requeues=cfg.cluster.max_requeues).start()
     D.init(par.tp, par.pp, plan.vpp if plan else par.vpp, seed=st.seed, threads=st.threads)
+    set_verify_mode(st.checkpoint_verify)
+    started["init"] = time.time()
+    callbacks = None
     try:
         tokenizer = load_tokenizer(data_dir(ctx) / "tokenizer.json")
         chunks = build_model(cfg.model, par, tokenizer.vocab_size)
+        started["model"] = time.time()
         optimizer, scheduler = build_optimizer(chunks, st, par)
         ckpt = Checkpointer(
             ctx.checkpoint_dir, st.save_interval, resolve_init_from(cfg, ctx), st.keep_last, st.async_save
@@ -76,6 +112,10 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
         ckpt.keep_incomplete = st.keep_incomplete
         seq_length = st.seq_length or cfg.model.seq_length
         train_source, valid_source = sources(tokenizer, st, seq_length, chunks, ckpt)
+        metrics = MetricsWriter(ctx.metrics_path, enabled=D.is_rank0())
+        callbacks = stage_callbacks(cfg, ctx, st, metrics, D.rank(), D.world_size())
+        flops = flops_per_step(cfg, st, seq_length, tokenizer.vocab_size, step.sequences_per_sample)
+        meter = StepMeter(flops, peak_tflops(cfg), D.world_size())
         trainer = Trainer(
             chunks,
             optimizer,
@@ -85,14 +125,21 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
             seq_length=seq_length,
             train_source=train_source,
             valid_source=valid_source,
-            metrics=MetricsWriter(ctx.metrics_path, enabled=D.is_rank0()),
+            metrics=metrics,
             checkpointer=ckpt,
             faults=FaultInjector(ctx.out_dir, D.rank()),
             stop_flag=stop_flag,
             watchdog=watchdog,
+            callbacks=callbacks,
+            meter=meter,
         )
+        started["data"] = time.time()
         trainer.restore(init_weights=not ckpt.init_weights_loaded)
-        summary = trainer.fit()
+        started["restore"] = time.time()
+        if D.is_rank0():
+            metrics.write(startup_record(started))
+        with oom_report(cfg, ctx, metrics):
+            summary = trainer.fit()
         latest = summary["checkpoint"] or find_latest(ctx.checkpoint_dir)
         return {
             **summary,
@@ -101,6 +148,8 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
             "init_from": str(ckpt.init_from) if ckpt.init_from else None,
         }
     finally:
+        if callbacks is not None:
+            callbacks.close()
         watchdog.stop()
         stop_flag.uninstall()
         D.shutdown()

@@ -18,26 +18,32 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stages.engine import distributed as D
+
 Batch = dict[str, torch.Tensor]
 LossOut = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
-def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-
-
 def _next_batch(data_iterator: Iterator[Batch]) -> Batch:
-    dev = _device()
+    """The next micro batch, moved to the engine's device (stages.engine.distributed.device)."""
+    dev = D.device()
     return {k: v.to(dev, non_blocking=True) for k, v in next(data_iterator).items()}
 
 
-def _per_token_nll(model: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Model output: per-token negative log-likelihood [b, s] on the last pipeline stage, else hidden states."""
+def _per_token_nll(
+    model: Any, tokens: torch.Tensor, labels: torch.Tensor, packed: Batch | None = None
+) -> torch.Tensor:
+    """Model output: per-token negative log-likelihood [b, s] on the last pipeline stage, else hidden states.
+
+    ``packed``: a batch of packed rows (``segment_ids`` present): its ``position_ids`` restart per example
+    and attention stays within each example (a block-diagonal causal mask).
+    """
     b, s = tokens.shape
+    if packed is not None and "segment_ids" in packed:
+        from stages.engine.attention import block_causal_mask
+
+        mask = block_causal_mask(packed["segment_ids"])
+        return model(tokens, packed["position_ids"], mask, labels=labels)
     position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     return model(tokens, position_ids, None, labels=labels)
 
@@ -57,7 +63,7 @@ class PretrainStep:
         self, data_iterator: Iterator[Batch], model: Any
     ) -> tuple[torch.Tensor, Callable[..., LossOut]]:
         batch = _next_batch(data_iterator)
-        output = _per_token_nll(model, batch["tokens"], batch["labels"])
+        output = _per_token_nll(model, batch["tokens"], batch["labels"], batch)
         return output, partial(self.loss, batch["loss_mask"])
 
     @staticmethod

@@ -27,8 +27,10 @@ from pipeline.fsio import atomic_write_text
 from stages.context import MetricsWriter
 from stages.engine import distributed as D
 from stages.engine.bad_steps import BadStepError, BadStepGuard, reason_code, reason_from_code
+from stages.engine.callbacks import Callbacks
 from stages.engine.data import collate, sample_range
 from stages.engine.faults import FaultInjector
+from stages.engine.meter import StepMeter
 from stages.engine.signals import Preempted, StopFlag, Watchdog
 from stages.engine.steps import Batch, ReferenceLogpStep
 
@@ -63,6 +65,12 @@ def build_optimizer(chunks: list[Any], stage: TrainStage, par: ParallelConfig) -
         use_distributed_optimizer=par.distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, chunks)
+    # The schedules multiply the loss by the loss scale only through config.grad_scale_func (Megatron-LM's
+    # training loop sets it; megatron-core does not): without it fp16 gradients come out divided by the
+    # loss scale (2^32 at first) and the model does not learn.
+    from megatron.core.utils import get_model_config
+
+    get_model_config(chunks[0]).grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -155,6 +163,14 @@ class Checkpointer:
 
         if self.init_from is None:
             return None
+        from pipeline.hf_arch import is_hf_dir
+
+        if is_hf_dir(self.init_from):  # a Hugging Face model directory (init_from=hf:<dir>)
+            from pipeline.hf_arch import model_config
+            from stages.engine.convert.hf import load_hf
+
+            load_hf(chunks, self.init_from, model_config(self.init_from))
+            return self.init_from
         path = (
             self.init_from
             if (self.init_from / checkpoint.MARKER).is_file()
@@ -285,6 +301,8 @@ class Trainer:
         faults: FaultInjector | None = None,
         stop_flag: StopFlag | None = None,
         watchdog: Watchdog | None = None,
+        callbacks: Callbacks | None = None,
+        meter: StepMeter | None = None,
     ) -> None:
         par = stage.parallel
         if par.global_batch_size % (par.micro_batch_size * D.dp_size()):
@@ -298,6 +316,10 @@ class Trainer:
         self.metrics = metrics or MetricsWriter(Path("/dev/null"), enabled=False)
         self.checkpointer = checkpointer
         self.faults, self.stop_flag, self.watchdog = faults, stop_flag, watchdog
+        self.callbacks = callbacks or Callbacks()
+        """Sinks and alarms (stages.engine.callbacks): called at train start/end, step end, eval, save, stop."""
+        self.meter = meter or StepMeter()
+        """Time split of each step, TFLOP/s, MFU and memory in the train lines (stages.engine.meter)."""
         self.iteration = 0
         self.resume_info: dict[str, Any] | None = None
         self._start, self._t0, self._window = (
@@ -313,6 +335,8 @@ class Trainer:
         self.verdict: dict[str, Any] | None = None
         """The last step's ``{"reason", "grad_norm"}`` (reason None: good); None when no update was tried."""
         self._poison = False
+        self.overflow_steps = 0
+        """fp16: steps whose scaled gradients overflowed (no update; megatron's dynamic scaler lowers the scale)."""
 
     @property
     def global_batch(self) -> int:
@@ -353,16 +377,24 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         par = self.stage.parallel
-        batches = micro_batches(self.train_source, step, par.global_batch_size, par.micro_batch_size)
-        outputs = self._forward_backward(batches, False, _poisoned(self.step) if self._poison else None)
+        with self.meter.time("data"):
+            batches = micro_batches(self.train_source, step, par.global_batch_size, par.micro_batch_size)
+        with self.meter.time("fwd_bwd"):
+            outputs = self._forward_backward(batches, False, _poisoned(self.step) if self._poison else None)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        ok, grad_norm = self._judged_optimizer_step(outputs)
+        overflows = self.overflow_steps
+        with self.meter.time("optimizer"):
+            ok, grad_norm = self._judged_optimizer_step(outputs)
         if ok:
             self.scheduler.step(increment=1)
         sums = self._sums(outputs)
         out = D.reduce_metrics({n: sums.get(n, (0.0, 0.0)) for n in self.step.metric_names})
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["lr"] = lr
+        if par.precision == "fp16":
+            out["loss_scale"] = float(self.optimizer.get_loss_scale())
+            out["overflow"] = float(self.overflow_steps > overflows)
+            out["overflow_steps"] = float(self.overflow_steps)
         return out
 
     def _judged_optimizer_step(self, outputs: Sequence[dict[str, torch.Tensor]]) -> tuple[bool, Any]:
@@ -377,10 +409,16 @@ class Trainer:
         prepare = optimizer.prepare_grads
 
         def judged_prepare() -> bool:
-            found_inf = bool(prepare())
-            if not found_inf:  # an fp16 overflow: megatron's own skip, agreed over ranks, not a bad step
-                verdict.update(self._judge(outputs, float(optimizer.get_grad_norm())))
-            return found_inf or verdict.get("reason") is not None
+            found_inf = bool(prepare())  # fp16 only, agreed over ranks: inf/NaN in the scaled gradients
+            if found_inf:
+                judged = self._judge(outputs, float("inf"))
+                if judged["reason"] == "nonfinite_grad":  # finite losses: an overflow, megatron's own skip
+                    self.overflow_steps += 1
+                else:  # a non-finite loss is a bad step in every precision: nan_policy applies
+                    verdict.update(judged)
+                return True
+            verdict.update(self._judge(outputs, float(optimizer.get_grad_norm())))
+            return verdict.get("reason") is not None
 
         optimizer.prepare_grads = judged_prepare
         try:
@@ -482,6 +520,7 @@ class Trainer:
             "consumed_samples": self.iteration * self.global_batch,
             "skipped_steps": sorted(self.skipped_steps),
             "bad_steps": self.guard.state(),
+            "overflow_steps": self.overflow_steps,
         }
 
     def restore(self, init_weights: bool = True) -> None:
@@ -500,6 +539,7 @@ class Trainer:
             self.iteration = int(state["iteration"])
             self.skipped_steps = set(state.get("skipped_steps", []))
             self.guard.load_state(state.get("bad_steps", {}))
+            self.overflow_steps = int(state.get("overflow_steps", 0))
         reached, at = self._read_progress()
         self.resume_info = {
             "kind": "resume",
@@ -551,6 +591,7 @@ class Trainer:
         self._start, self._t0, self._window = self.iteration, time.time(), [0, 0.0]
         last: dict[str, float] = {}
         stop = False
+        self.callbacks.emit("on_train_start", self.iteration)
         while self.iteration < st.iters and not stop:
             self._beat()
             if self.faults:
@@ -562,8 +603,9 @@ class Trainer:
             self.iteration += 1
             self.history.append(last)
             self._write_progress()
-            self._log_train(last, time.time() - t_step)
+            logged = self._log_train(last, time.time() - t_step)
             s = self.iteration
+            self.callbacks.emit("on_step_end", s, logged or last, logged=logged is not None)
             if st.eval_interval and s % st.eval_interval == 0 and s < st.iters:
                 self._write_valid(s)
             stop = self._stop()
@@ -583,6 +625,8 @@ class Trainer:
                             "async": self.checkpointer.async_save and not (stop or s == st.iters),
                         }
                     )
+                    self.meter.add("checkpoint", self.checkpointer.save_seconds[-1])
+                    self.callbacks.emit("on_save", s, {"save_s": self.checkpointer.save_seconds[-1]})
         if self.checkpointer is not None:
             self.checkpointer.finalize(blocking=True)
         if stop and self.iteration < st.iters:
@@ -590,6 +634,7 @@ class Trainer:
             self.metrics.write(
                 {"kind": "info", "message": f"stopped at step {self.iteration} (signal {signum}), saved"}
             )
+            self.callbacks.emit("on_stop", self.iteration, {"signal": signum})
             raise Preempted(f"signal {signum} at step {self.iteration}; checkpoint saved")
         valid = (
             self._write_valid(self.iteration)
@@ -597,7 +642,7 @@ class Trainer:
             else None
         )
         saved = self.checkpointer.last_saved if self.checkpointer else None
-        return {
+        summary = {
             "steps": self.iteration,
             "resume": self.resume_info,
             "checkpoint_save_s": self.checkpointer.save_seconds if self.checkpointer else [],
@@ -606,33 +651,37 @@ class Trainer:
             "stopped": self.iteration < st.iters,
             "checkpoint": str(saved) if saved else None,
         }
+        self.callbacks.emit("on_train_end", self.iteration, summary)
+        return summary
 
-    def _log_train(self, last: dict[str, float], step_s: float) -> None:
+    def _log_train(self, last: dict[str, float], step_s: float) -> dict[str, Any] | None:
         """A metrics line every log_interval steps; tokens/s over the steps' compute time since the last line."""
         st, s = self.stage, self.iteration
         self._window[0] += 1
         self._window[1] += step_s
         if not (s % st.log_interval == 0 or s == st.iters or s == self._start + 1):
-            return
+            return None
         tokens = self._window[0] * self.global_batch * self.seq_length * self.step.sequences_per_sample
         elapsed = time.time() - self._t0
-        self.metrics.write(
-            {
-                "kind": "train",
-                "step": s,
-                "iters": st.iters,
-                **last,
-                "tokens_per_s": tokens / max(self._window[1], 1e-9),
-                "elapsed_s": elapsed,
-                "eta_s": elapsed / (s - self._start) * (st.iters - s),
-            }
-        )
+        record = {
+            "kind": "train",
+            "step": s,
+            "iters": st.iters,
+            **last,
+            "tokens_per_s": tokens / max(self._window[1], 1e-9),
+            "elapsed_s": elapsed,
+            "eta_s": elapsed / (s - self._start) * (st.iters - s),
+            **self.meter.fields(int(self._window[0]), self._window[1]),
+        }
+        self.metrics.write(record)
         self._window = [0, 0.0]
+        return record
 
     def _write_valid(self, step: int) -> dict[str, float] | None:
         out = self.evaluate()
         if out is not None:
             self.metrics.write({"kind": "valid", "step": step, **out})
+            self.callbacks.emit("on_eval", step, {"kind": "valid", "step": step, **out})
         return out
 
 

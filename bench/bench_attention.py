@@ -1,0 +1,180 @@
+"""The engine's training path against a nanoGPT-style plain PyTorch GPT that uses SDPA, at two shapes.
+
+    python bench/bench_attention.py [--reps 5] [--steps 12] [--warmup 3] [--shapes demo,4.4x]
+
+Engine: stages.engine (megatron GPTModel, local layer spec, megatron DDP + optimizer, ``Trainer.train_step``;
+bench/bench_throughput.py's ``engine_worker``) with ``model.attention_backend=sdpa`` (the default) and, for
+comparison, ``unfused`` (megatron's DotProductAttention). Plain: a GPT written the way nanoGPT writes it
+([b, s, h] layout, one qkv linear, ``F.scaled_dot_product_attention(is_causal=True)``, GELU MLP, tied
+embeddings, torch AdamW, gradient clipping), the same micro batches, the same thread count.
+
+Shapes: ``demo`` = the default run's model (4 layers, hidden 128, 4 heads, seq 128, micro batch 8, global
+16); ``4.4x`` = 6 layers, hidden 256 (4.4x the parameters). Each repetition runs every variant once in a
+fresh process, in turn (interleaved, so slow phases of other load hit all of them); each run reports its
+median step time; the figure is the median over repetitions. Prints tokens/s and the ratio engine / plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+
+VOCAB = 4096
+SHAPES: dict[str, dict[str, Any]] = {
+    "demo": {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128},
+    "4.4x": {"num_layers": 6, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 128},
+}
+VARIANTS = ("nanogpt", "engine-sdpa", "engine-unfused")
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.c_attn, self.c_proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.c_fc, self.mlp_proj = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(b, s, h))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int, seq: int, vocab: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
+        self.blocks = nn.ModuleList(NanoBlock(hidden, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe.weight[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        nll = F.cross_entropy(logits.flatten(0, 1), labels.reshape(-1), reduction="none")
+        return (nll * mask.reshape(-1)).sum()
+
+
+def nanogpt_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    from bench_throughput import _micro_batches, _timed
+
+    from stages.engine.synthetic import SyntheticSource
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(1234)
+    m = spec["model"]
+    model = NanoGPT(m["num_layers"], m["hidden_size"], m["num_attention_heads"], m["seq_length"], VOCAB)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
+    source = SyntheticSource(64, VOCAB, m["seq_length"], seed=1)
+
+    def step(i: int) -> None:
+        batches = _micro_batches(source, spec, i, 0, 1)
+        tokens = sum(b["loss_mask"].sum() for b in batches)
+        opt.zero_grad(set_to_none=True)
+        for b in batches:
+            (model(b["tokens"], b["labels"], b["loss_mask"]) / tokens).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    return _timed(step, spec)
+
+
+def run_once(variant: str, shape: str, args: argparse.Namespace) -> tuple[float, float]:
+    """Tokens per second and per CPU second (median step of one fresh process) of ``variant`` at ``shape``."""
+    from engine_worker import launch
+
+    model = dict(SHAPES[shape])
+    if variant.startswith("engine-"):
+        model["attention_backend"] = variant.removeprefix("engine-")
+    spec = {
+        "mode": "nanogpt" if variant == "nanogpt" else "engine",
+        "model": model,
+        "parallel": {"micro_batch_size": args.micro_batch, "global_batch_size": args.global_batch},
+        "global_batch": args.global_batch,
+        "micro_batch": args.micro_batch,
+        "threads": args.threads,
+        "warmup": args.warmup,
+        "steps": args.steps,
+    }
+    with tempfile.TemporaryDirectory(prefix=f"bench-{variant}-") as tmp:
+        result = launch(1, spec, Path(tmp), timeout_s=600, script=Path(__file__))
+    tokens = args.global_batch * model["seq_length"]
+    return tokens / statistics.median(result["step_times"]), tokens / statistics.median(result["cpu_times"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median)")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per run (median)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--shapes", default="demo,4.4x")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+    from bench_throughput import warn_if_busy
+
+    warn_if_busy()
+    figures: dict[str, Any] = {}
+    for shape in args.shapes.split(","):
+        m = SHAPES[shape]
+        seen: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        per_cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for _ in range(args.reps):
+            for variant in VARIANTS:
+                wall, cpu = run_once(variant, shape, args)
+                seen[variant].append(wall)
+                per_cpu[variant].append(cpu)
+        med = {v: statistics.median(x) for v, x in seen.items()}
+        cpu_med = {v: statistics.median(x) for v, x in per_cpu.items()}
+        figures[shape] = {"tok_s": med, "tok_per_cpu_s": cpu_med, "runs": seen}
+        print(
+            f"{shape:>5} ({m['num_layers']} layers, hidden {m['hidden_size']}, seq {m['seq_length']}, "
+            f"batch {args.global_batch}/{args.micro_batch}, {args.threads} threads, median of {args.reps}): "
+            f"nanoGPT {med['nanogpt']:,.0f} tok/s, engine sdpa {med['engine-sdpa']:,.0f} "
+            f"(ratio {med['engine-sdpa'] / med['nanogpt']:.3f}), engine unfused {med['engine-unfused']:,.0f} "
+            f"(ratio {med['engine-unfused'] / med['nanogpt']:.3f}); per CPU second: sdpa "
+            f"{cpu_med['engine-sdpa'] / cpu_med['nanogpt']:.3f}, unfused "
+            f"{cpu_med['engine-unfused'] / cpu_med['nanogpt']:.3f}",
+            flush=True,
+        )
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".json") and Path(sys.argv[1]).is_file():
+        worker_spec = json.loads(Path(sys.argv[1]).read_text())
+        if worker_spec["mode"] == "engine":
+            from bench_throughput import engine_worker
+
+            out = engine_worker(worker_spec)
+        else:
+            out = nanogpt_worker(worker_spec)
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(worker_spec["out"]).write_text(json.dumps(out))
+        sys.exit(0)
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Checkpoint verification against checkpoint loading, 2 ranks, a multi-GB checkpoint.
+
+    python bench/bench_verify.py [--gb-per-rank 1.0] [--reps 3]
+
+Two gloo ranks each hold a tensor of ``--gb-per-rank`` GB (fp32, one shard per rank), saved once through
+``stages.engine.checkpoint.save`` (the real commit: checksums, marker with whole-file sha256 and sampled
+block hashes). Then, interleaved for ``--reps`` repetitions, the median of:
+
+- ``verify, rank 0 alone``: ``find_latest(collective=False)`` on rank 0, every file in turn, one thread (what a
+  resume did before).
+- ``verify, per rank (full)``: ``find_latest`` on both ranks, each hashing the files it wrote.
+- ``verify, per rank (sampled)``: the same in ``checkpoint_verify=sampled`` mode (sizes + 8 blocks per file).
+- ``load``: ``checkpoint.load`` of the tensors (dist_checkpointing, both ranks).
+
+Printed: each time and the ratio verify / load (goal: verification adds <= 10% to the load). The files sit
+in the page cache (just written), so both sides read memory, not disk: on a cluster filesystem, reading
+dominates both. sha256 speed of this CPU is printed too (verification is bound by it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from stages.engine import checkpoint as ck
+    from stages.engine import distributed as D
+
+    D.init(1, 1, None, seed=1, threads=1)
+    rank, world = D.rank(), D.world_size()
+
+    class Chunk(torch.nn.Module):
+        def __init__(self, numel: int) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(numel).uniform_(), requires_grad=False)
+
+        def sharded_state_dict(self) -> dict[str, Any]:
+            return {"w": ShardedTensor.from_rank_offsets("w", self.w.data, (0, rank, world), replica_id=0)}
+
+        def load_state_dict(self, state: Any, strict: bool = True) -> Any:
+            self.w.data.copy_(state["w"])
+
+    chunk = Chunk(int(spec["gb_per_rank"] * 1e9) // 4)
+    root = Path(spec["root"])
+    t0 = time.perf_counter()
+    path = ck.save(root, 1, model_chunks=[chunk], optimizer=None, scheduler=None, state={}, final=True)
+    save_s = time.perf_counter() - t0
+
+    def timed(fn: Any) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t
+
+    def alone() -> None:  # as before: rank 0 hashes every file, one after the other
+        if rank == 0:
+            threads, ck._VERIFY_THREADS = ck._VERIFY_THREADS, 1
+            try:
+                assert ck.find_latest(root, collective=False) == path
+            finally:
+                ck._VERIFY_THREADS = threads
+
+    cases = {
+        "verify_rank0_alone": alone,
+        "verify_per_rank_full": lambda: ck.find_latest(root, mode="full"),
+        "verify_per_rank_sampled": lambda: ck.find_latest(root, mode="sampled"),
+        "load": lambda: ck.load(path, model_chunks=[chunk]),
+    }
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(spec["reps"]):
+        for name, fn in cases.items():
+            times[name].append(timed(fn))
+    bytes_on_disk = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    D.shutdown()
+    return {"save_s": save_s, "times": times, "bytes": bytes_on_disk}
+
+
+def sha256_speed() -> float:
+    block = os.urandom(64 << 20)
+    t = time.perf_counter()
+    for _ in range(4):
+        hashlib.sha256(block).digest()
+    return 4 * 64 / 1024 / (time.perf_counter() - t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gb-per-rank", type=float, default=1.0)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument(
+        "--dir", type=Path, default=None, help="where to write the checkpoint (default: a temp dir)"
+    )
+    args = p.parse_args(argv)
+    from engine_worker import launch
+
+    with tempfile.TemporaryDirectory(prefix="bench-verify-", dir=args.dir) as tmp:
+        spec = {"gb_per_rank": args.gb_per_rank, "reps": args.reps, "root": str(Path(tmp) / "checkpoints")}
+        out = launch(2, spec, Path(tmp) / "work", timeout_s=1800, script=Path(__file__))
+    med = {k: statistics.median(v) for k, v in out["times"].items()}
+    load = med["load"]
+    print(
+        f"checkpoint {out['bytes'] / 1e9:.2f} GB on 2 ranks (saved in {out['save_s']:.1f} s); sha256 on this "
+        f"CPU {sha256_speed():.2f} GiB/s per core; median of {args.reps}, files in the page cache"
+    )
+    print(f"  load                         {load:7.2f} s")
+    for key, label in (
+        ("verify_rank0_alone", "verify, rank 0 alone (before)"),
+        ("verify_per_rank_full", "verify, per rank, full"),
+        ("verify_per_rank_sampled", "verify, per rank, sampled"),
+    ):
+        print(f"  {label:<29}{med[key]:7.2f} s   verify / load {med[key] / load:.2f}")
+    print(
+        f"  per-rank speed-up over rank 0 alone: {med['verify_rank0_alone'] / med['verify_per_rank_full']:.2f}x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".json") and Path(sys.argv[1]).is_file():
+        worker_spec = json.loads(Path(sys.argv[1]).read_text())
+        result = worker(worker_spec)
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(worker_spec["out"]).write_text(json.dumps(result))
+        sys.exit(0)
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Tiny random Hugging Face models for the conversion tests, built locally (no hub access).
+
+``llama3`` : Llama-3 style: GQA (4 heads, 2 KV heads), RMSNorm, SwiGLU, RoPE with llama3 scaling
+(factor 32), untied embeddings. ``qwen2``: Qwen2 style: query/key/value biases, tied embeddings, a
+vocabulary that TP=2 must pad. Both fp32, hidden 64, 2 layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+COMMON = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+}
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|assistant|>"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}<|endoftext|>{% endif %}{% endfor %}"
+)
+"""The pipeline's prompt format as a chat template."""
+
+ROLE_TOKENS = ["<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>"]
+
+
+def make_tokenizer(out: Path, vocab_size: int = 320) -> int:
+    """A byte-level BPE with the role tokens and a chat template, saved as tokenizer.json +
+    tokenizer_config.json; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    text = [
+        f"What comes after {i}? {i + 1}. The quick brown fox jumps over the lazy dog." for i in range(300)
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=ROLE_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    fast.chat_template = CHAT_TEMPLATE
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    return int(tok.get_vocab_size(with_added_tokens=True))
+
+
+def make(kind: str, out: Path, seed: int = 0, vocab_size: int | None = None) -> Path:
+    """Save a random ``kind`` (llama3 | qwen2) model with its tokenizer to ``out`` (config.json, model.safetensors,
+    tokenizer files). llama3: model vocabulary = the tokenizer's; qwen2: 3 more rows (as published Qwen2
+    checkpoints have), an odd size that TP=2 pads."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tok_size = make_tokenizer(out)
+    torch.manual_seed(seed)
+    cls: Any
+    if kind == "llama3":
+        cfg: Any = LlamaConfig(
+            **COMMON,
+            vocab_size=vocab_size or tok_size,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
+        cls = LlamaForCausalLM
+    elif kind == "qwen2":
+        cfg = Qwen2Config(**COMMON, vocab_size=vocab_size or tok_size + 3, tie_word_embeddings=True)
+        cls = Qwen2ForCausalLM
+    else:
+        raise ValueError(kind)
+    model = cls(cfg).float()
+    with torch.no_grad():  # biases and norms start at 0 / 1: make them random so the mapping is tested
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def hf_logits(model_dir: Path, tokens: list[list[int]]) -> Any:
+    """transformers' fp32 logits [b, s, V] on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()

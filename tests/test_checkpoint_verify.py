@@ -1,0 +1,124 @@
+"""Verification shared by the ranks (stages.engine.checkpoint.verify_collective / find_latest) and its modes.
+
+The two-rank test runs this file as a script on 2 gloo ranks (no megatron): each rank hashes only its share
+of a hand-made checkpoint, and a corrupted file in rank 1's share still makes both ranks skip it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stages.engine import checkpoint as ck
+
+REPO = Path(__file__).resolve().parents[1]
+FILES = ("__0_0.distcp", "__1_0.distcp", "rng.rank0.pt", "rng.rank1.pt", "common.pt", ".metadata")
+
+
+def make_checkpoint(root: Path, iteration: int, size: int = 3000) -> Path:
+    path = root / ck.iter_dir_name(iteration)
+    path.mkdir(parents=True)
+    for i, name in enumerate(FILES):
+        (path / name).write_bytes(bytes((iteration * 7 + i + j) % 251 for j in range(size)))
+    files = {name: ck._file_record(path / name) for name in FILES}
+    ck._write_marker(path, {"iteration": iteration, "files": files})
+    (root / ck.LATEST).write_text(path.name + "\n")
+    return path
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_shares_cover_every_file_once() -> None:
+    files = {name: {} for name in (*FILES, "__2_0.distcp", "__3_1.distcp", "rng.rank3.pt")}
+    for world in (1, 2, 3):
+        shares = [[rel for rel, _ in ck.share(files, r, world)] for r in range(world)]
+        assert sorted(sum(shares, [])) == sorted(files)
+    assert [rel for rel, _ in ck.share(files, 1, 2)] == [
+        "__1_0.distcp",
+        "__3_1.distcp",
+        "rng.rank1.pt",
+        "rng.rank3.pt",
+    ]
+
+
+def test_sampled_mode_checks_sampled_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ck, "_HASH_BLOCK", 64)
+    path = make_checkpoint(tmp_path, 1, size=64 * 20)  # 20 blocks, 8 sampled: 0, 3, 5, ..., 19
+    record = json.loads((path / ck.MARKER).read_text())["files"]["__1_0.distcp"]
+    assert sorted(map(int, record["blocks"])) == ck._sample_blocks(64 * 20) and len(record["blocks"]) == 8
+    flip_byte(path / "__1_0.distcp", 64 * 19 + 5)  # in the last block: sampled
+    assert "block 19" in ck.verify(path, mode="sampled")[0]
+    flip_byte(path / "__1_0.distcp", 64 * 19 + 5)
+    flip_byte(path / "__1_0.distcp", 64 * 1 + 5)  # block 1 is not sampled: only full verification sees it
+    assert ck.verify(path, mode="sampled") == []
+    assert "sha256" in ck.verify(path, mode="full")[0]
+
+
+@pytest.mark.dist
+def test_two_ranks_verify_their_own_files_and_agree(tmp_path: Path) -> None:
+    from pipeline.launch import free_port
+
+    root = tmp_path / "checkpoints"
+    make_checkpoint(root, 1)
+    newest = make_checkpoint(root, 2)
+    flip_byte(newest / "__1_0.distcp", 1500)  # same size: only rank 1's hashing can notice
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    env |= {"MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(root)],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=300)
+        finally:
+            p.kill()
+        assert p.returncode == 0, err[-3000:]
+        outs.append((json.loads(out.strip().splitlines()[-1]), err))
+    (r0, err0), (r1, _) = outs
+    assert r0["found"] == r1["found"] == str(root / "iter_0000001")
+    corrupt = str(newest / "__1_0.distcp")
+    assert corrupt in r1["hashed"] and corrupt not in r0["hashed"]
+    assert not any("__1_" in f or "rank1" in f for f in r0["hashed"]), r0["hashed"]
+    assert not any("__0_" in f or "rank0" in f or "common" in f for f in r1["hashed"]), r1["hashed"]
+    assert f"skipping checkpoint {newest}: {corrupt}: sha256" in err0  # rank 0 reports rank 1's finding
+
+
+def _worker(root: str) -> None:
+    import logging
+
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.WARNING)
+    dist.init_process_group("gloo")
+    hashed: list[str] = []
+    record = ck._file_record
+
+    def spy(path: Path, **kw: object) -> dict:
+        hashed.append(str(path))
+        return record(path, **kw)  # type: ignore[arg-type]
+
+    ck._file_record = spy  # type: ignore[assignment]
+    found = ck.find_latest(Path(root))
+    print(json.dumps({"found": str(found), "hashed": hashed}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
