@@ -288,6 +288,8 @@ class ClusterConfig:
     """Seconds before the time limit at which SLURM warns the job (SIGUSR1)."""
     max_requeues: int = num(3, ge=0)
     """Times a crashed or hung job asks SLURM to requeue itself."""
+    mpi: str = "pmi2"
+    """srun's MPI plugin (--mpi=) for data_prep.launcher=mpi: pmi2, pmix, ... (srun --mpi=list shows them)."""
     fs_bandwidth_gb_s: float = num(2.0, gt=0)
     """Assumed read/write bandwidth one node gets from the shared filesystem, GB/s (the planner's checkpoint save/load/verify times)."""
     peak_tflops: float | None = num(None, integer=False, gt=0)
@@ -369,7 +371,7 @@ class DataConfig:
     max_corpus_mb: float | None = num(None, integer=False, gt=0)
     """Use at most this many MB of the corpus (None: all of it)."""
     tokenizer_path: str | None = None
-    """A tokenizer.json to use instead of training one."""
+    """A tokenizer.json, HF tokenizer directory or SentencePiece unigram .model to use instead of training one."""
     vocab_size: int = num(4096, ge=272)
     """BPE vocabulary size when training the tokenizer."""
     valid_fraction: float = num(0.02, ge=0, le=0.5)
@@ -443,9 +445,12 @@ class DataPrepStage:
     """Job time limit (None: cluster.time_min)."""
     threads: int = num(2, ge=1)
     """Torch/tokenizer threads per rank."""
+    launcher: str = "files"
+    """How the dp ranks meet: files (the executor starts dp tasks that share work through files in the output folder) or mpi (an MPI world: locally the job runs the venv's mpiexec -n dp; on SLURM srun --mpi=cluster.mpi)."""
 
     def __post_init__(self) -> None:
         check_domains(self)
+        _choice("data_prep.launcher", self.launcher, ("files", "mpi"))
 
 
 @dataclass
@@ -777,6 +782,7 @@ _SLURM_ONLY = (
     "container_image",
     "env",
     "signal_delay_s",
+    "mpi",
 )
 _PARALLEL_USED = {
     "data_prep": ("tp", "pp", "dp", "nodes"),
@@ -839,6 +845,7 @@ IDENTITY_EXCLUDED_SECTIONS: dict[str, str] = {
 IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
     "time_min": "job time limit: a stage stopped by it resumes exactly",
     "threads": "CPU threads per rank: speed only",
+    "launcher": "how data_prep's ranks meet: the output is byte-identical whatever the launcher",
     "hang_timeout_s": "watchdog: only decides when a hung rank gives up",
     "log_interval": "how often metrics are printed",
     "save_interval": "checkpoint cadence: resume and rollback replay exactly",

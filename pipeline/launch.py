@@ -96,8 +96,13 @@ def slurm_parameters(
         params["exclusive"] = True
     if c.mem_gb:
         params["mem"] = f"{c.mem_gb}GB"
+    srun_args = []
     if c.container_image:
-        params["srun_args"] = [f"--container-image={c.container_image}", "--container-mounts=/:/"]
+        srun_args += [f"--container-image={c.container_image}", "--container-mounts=/:/"]
+    if stage == "data_prep" and cfg.data_prep.launcher == "mpi":  # the tasks form one MPI world
+        srun_args.append(f"--mpi={c.mpi}")
+    if srun_args:
+        params["srun_args"] = srun_args
     return params
 
 
@@ -122,7 +127,9 @@ def make_executor(cfg: PipelineConfig, stage: str, run_dir: Path, code_dir: Path
         return submitit.DebugExecutor(folder=folder)
     if kind == "local":
         ex = submitit.LocalExecutor(folder=folder)
-        ex.update_parameters(timeout_min=timeout, tasks_per_node=plan.world_size, nodes=1)
+        # data_prep.launcher=mpi: one task, which runs mpiexec -n dp (stages.data_prep)
+        tasks = 1 if stage == "data_prep" and cfg.data_prep.launcher == "mpi" else plan.world_size
+        ex.update_parameters(timeout_min=timeout, tasks_per_node=tasks, nodes=1)
         return ex
     slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=cfg.cluster.max_requeues)
     slurm.update_parameters(**slurm_parameters(cfg, stage, plan, code_dir))

@@ -232,13 +232,16 @@ def _tokenizer(cfg: PipelineConfig, stage: str) -> None:
     if path.is_dir():
         path = path / "tokenizer.json"
     check_file(key, value, path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        _fail(key, value, f"{path} is not a tokenizers JSON file ({e})")
-    vocab = tokenizer_vocab_size(data)
-    if vocab is None:
-        _fail(key, value, f"{path} has no model.vocab table (not a tokenizers JSON file)")
+    if path.suffix == ".model":  # a SentencePiece model (stages.data_prep.sentencepiece_tokenizer)
+        vocab: int | None = _sentencepiece_vocab_size(key, value, path)
+    else:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            _fail(key, value, f"{path} is not a tokenizers JSON file ({e})")
+        vocab = tokenizer_vocab_size(data)
+        if vocab is None:
+            _fail(key, value, f"{path} has no model.vocab table (not a tokenizers JSON file)")
     m = cfg.model
     if m.vocab_size is not None and vocab is not None and vocab > m.vocab_size:
         _fail(
@@ -247,6 +250,17 @@ def _tokenizer(cfg: PipelineConfig, stage: str) -> None:
             f"the tokenizer {path} has {vocab} tokens (with the pipeline's special tokens); "
             f"set model.vocab_size >= {vocab} or null (the tokenizer's size)",
         )
+
+
+def _sentencepiece_vocab_size(key: str, value: str, path: Path) -> int:
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as e:
+        _fail(key, value, f"{path} is not a SentencePiece model ({e})")
+    pieces = {sp.id_to_piece(i) for i in range(sp.get_piece_size())}
+    return int(sp.get_piece_size()) + len(_SPECIAL_TOKENS - pieces)
 
 
 def tokenizer_vocab_size(data: Any) -> int | None:

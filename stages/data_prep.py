@@ -24,8 +24,10 @@ Steps (``main``):
    A stale manifest is deleted before anything else is written, and every file goes to a temporary
    name first and is renamed, so a directory with a manifest is always complete and consistent.
 
-Ranks started by the job launcher without MPI (``WORLD_SIZE`` > 1 but one MPI rank each) cannot
-share work: rank 0 does everything and the others return at once. Output depends only on the
+Ranks started by the job launcher without MPI (``WORLD_SIZE`` > 1 but one MPI rank each) share the
+work through files with ``corpus=sources`` (``_FileWorld``); otherwise rank 0 does everything and the
+others return at once. ``data_prep.launcher=mpi`` runs the ranks as one MPI world (``mpiexec -n dp``
+started by this stage locally, ``srun --mpi`` on SLURM). Output depends only on the
 ``data`` config, never on the number of ranks or threads.
 """
 
@@ -36,6 +38,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 import warnings
@@ -65,6 +69,8 @@ _SPLIT, _HELD_OUT, _SFT, _PREF, _MIX, _EVAL_PREF = range(6)
 
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
+    if _needs_mpiexec(cfg):
+        return _run_under_mpiexec(cfg, ctx)
     os.environ["RAYON_NUM_THREADS"] = str(cfg.data_prep.threads)  # before tokenizers starts its pool
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     world = _world(cfg, Path(ctx.out_dir))
@@ -309,7 +315,7 @@ def build_tokenizer(d: DataConfig, train_docs: list[str]) -> Any:
     if p.is_dir():
         p = p / "tokenizer.json"
     try:
-        hf = HFTokenizer.from_file(str(p))
+        hf = sentencepiece_tokenizer(p) if p.suffix == ".model" else HFTokenizer.from_file(str(p))
     except Exception as e:  # missing file or bad JSON: tokenizers raises a plain Exception
         raise ValueError(f"data.tokenizer_path={d.tokenizer_path!r}: cannot load {p}: {e}") from e
     missing = [tok for tok in SPECIAL_TOKENS.values() if hf.token_to_id(tok) is None]
@@ -319,6 +325,27 @@ def build_tokenizer(d: DataConfig, train_docs: list[str]) -> Any:
             stacklevel=2,
         )
         hf.add_special_tokens([AddedToken(tok, special=True) for tok in missing])
+    return hf
+
+
+def sentencepiece_tokenizer(path: Path) -> Any:
+    """A SentencePiece unigram ``.model`` as a HF ``tokenizers`` Tokenizer: the same pieces, scores and ids
+    (unigram model, metaspace pre-tokenizer and decoder); normalization is NFKC with whitespace runs made one
+    space (SentencePiece's default nmt_nfkc, up to its rare character rules)."""
+    import sentencepiece as spm
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    vocab = [(sp.id_to_piece(i), float(sp.get_score(i))) for i in range(sp.get_piece_size())]
+    hf = HFTokenizer(models.Unigram(vocab, unk_id=sp.unk_id(), byte_fallback=False))
+    hf.normalizer = normalizers.Sequence(
+        [normalizers.NFKC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Strip()]
+    )
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    hf.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
     return hf
 
 
@@ -526,9 +553,68 @@ class _FileWorld(_World):
 _MPI_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 
 
+def _under_mpi() -> bool:
+    return any(int(os.environ.get(k, "1") or 1) > 1 for k in _MPI_ENV)
+
+
+def _needs_mpiexec(cfg: PipelineConfig) -> bool:
+    """data_prep.launcher=mpi outside SLURM: this single job task starts the MPI world itself."""
+    dp = cfg.data_prep.parallel.dp or 1
+    return cfg.data_prep.launcher == "mpi" and dp > 1 and cfg.cluster.executor != "slurm" and not _under_mpi()
+
+
+def mpiexec_path() -> str:
+    """The venv's mpiexec (pip ``mpich`` wheel, next to the interpreter), else the one on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    found = str(here) if here.is_file() else shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError(
+            "data_prep.launcher=mpi: no mpiexec next to the interpreter nor on PATH; install the `mpich` "
+            "package (pip install mpich) or set data_prep.launcher=files"
+        )
+    return found
+
+
+def _run_under_mpiexec(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
+    """``mpiexec -n dp python -m stages.data_prep``: the ranks form one MPI world (mpi4py); rank 0 writes
+    the stage's outputs to a file this process returns."""
+    out = Path(ctx.out_dir)
+    work = out.parent / f".{out.name}.mpi-{uuid.uuid4().hex[:8]}"
+    work.mkdir(parents=True)
+    try:
+        (work / "config.json").write_text(json.dumps(cfg.to_dict()))
+        args = {"run_dir": str(ctx.run_dir), "stage": ctx.stage, "out_dir": str(out)}
+        (work / "context.json").write_text(json.dumps(args))
+        n = str(cfg.data_prep.parallel.dp)
+        cmd = [mpiexec_path(), "-n", n, sys.executable, "-m", "stages.data_prep", str(work)]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        print(f"[data_prep] launching {n} MPI ranks: {' '.join(cmd)}", flush=True)
+        rc = subprocess.run(cmd, env=env, check=False).returncode
+        result = work / "result.json"
+        if rc != 0 or not result.is_file():
+            raise RuntimeError(f"data_prep under mpiexec failed (exit {rc}): see the ranks' output above")
+        return dict(json.loads(result.read_text()))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _mpi_rank_main(work: Path) -> None:
+    """One rank started by ``_run_under_mpiexec``."""
+    from pipeline.config import from_dict
+
+    cfg = from_dict(json.loads((work / "config.json").read_text()))
+    a = json.loads((work / "context.json").read_text())
+    ctx = StageContext(run_dir=Path(a["run_dir"]), stage=a["stage"], out_dir=Path(a["out_dir"]))
+    out = main(cfg, ctx)
+    if _world(cfg).rank == 0:
+        tmp = work / ".result.json.tmp"
+        tmp.write_text(json.dumps(out, default=str))
+        os.replace(tmp, work / "result.json")
+
+
 def _world(cfg: PipelineConfig, out: Path | None = None) -> _World:
     env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    mpi = any(int(os.environ.get(k, "1") or 1) > 1 for k in _MPI_ENV)
+    mpi = _under_mpi()
     if not mpi and env_world > 1 and cfg.data.corpus == "sources" and out is not None:
         return _FileWorld(int(os.environ.get("RANK", "0") or 0), env_world, out / f".world-{_job_nonce()}")
     if not mpi:
@@ -779,3 +865,7 @@ def _expand_any(patterns: list[str], key: str) -> list[Path]:
             raise ValueError(f"{key}: pattern {pat!r} matches no file")
         files += hits
     return files
+
+
+if __name__ == "__main__":
+    _mpi_rank_main(Path(sys.argv[1]))

@@ -285,7 +285,8 @@ def test_source_config_errors_name_the_key(tmp_path: Path) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_two_ranks_under_the_local_executor_byte_identical_to_one(tmp_path: Path) -> None:
-    """``data_prep.parallel.dp=2``: the local executor starts 2 processes that share the units through files."""
+    """``data_prep.parallel.dp=2``: the local executor starts 2 processes that share the units through files
+    (launcher=files), or its one task runs ``mpiexec -n 2`` and the ranks use mpi4py (launcher=mpi)."""
     import subprocess
     import sys
 
@@ -307,14 +308,15 @@ def test_two_ranks_under_the_local_executor_byte_identical_to_one(tmp_path: Path
         "data_prep.threads=1",
     ]
     shared = []
-    for n in (1, 2):
+    for n, launcher in ((1, "files"), (2, "files"), (2, "mpi")):
         r = subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "pipeline",
-                f"run.root={tmp_path / f'r{n}'}",
+                f"run.root={tmp_path / f'r{n}{launcher}'}",
                 f"data_prep.parallel.dp={n}",
+                f"data_prep.launcher={launcher}",
                 *common,
             ],
             cwd=Path(__file__).resolve().parent.parent,
@@ -323,13 +325,17 @@ def test_two_ranks_under_the_local_executor_byte_identical_to_one(tmp_path: Path
             timeout=300,
         )
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        (d,) = [p for p in (tmp_path / f"r{n}" / ".data").glob("data_prep-*") if p.is_dir()]
+        (d,) = [p for p in (tmp_path / f"r{n}{launcher}" / ".data").glob("data_prep-*") if p.is_dir()]
         assert json.loads((d / "outputs.json").read_text())["ranks"] == n
         shared.append(d)
     names = sorted(read_manifest(shared[0])["files"]) + ["manifest.json"]
     assert any(n.startswith("text_train-") for n in names)
+    # launcher=mpi: the local job had one task; its 2 ranks (outputs "ranks") came from mpiexec
+    logs = "".join(p.read_text() for p in (tmp_path / "r2mpi").rglob("*_log.out"))
+    assert "launching 2 MPI ranks" in logs, logs[-2000:]
     for name in names:
-        assert (shared[0] / name).read_bytes() == (shared[1] / name).read_bytes(), name
+        for other in shared[1:]:
+            assert (shared[0] / name).read_bytes() == (other / name).read_bytes(), (name, other)
 
 
 @pytest.mark.slow
@@ -362,3 +368,43 @@ def test_pretrain_trains_on_a_weighted_blend_through_the_cli(tmp_path: Path) -> 
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "[pretrain] step 3/3" in r.stdout and "s0: " in r.stdout and "documents kept" in r.stdout
+
+
+def test_sentencepiece_model_as_tokenizer(tmp_path: Path) -> None:
+    """``data.tokenizer_path=<spm>.model``: documents get SentencePiece's own ids (plus eod)."""
+    import os
+
+    import sentencepiece as spm
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    texts = docs(200, 3, "sp")
+    (tmp_path / "train.txt").write_text("\n".join(texts))
+    with open(os.devnull, "w") as quiet:
+        spm.SentencePieceTrainer.train(
+            input=str(tmp_path / "train.txt"),
+            model_prefix=str(tmp_path / "m"),
+            vocab_size=60,
+            hard_vocab_limit=False,
+            logstream=quiet,
+        )
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "m.model"))
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cfg = sources_cfg(
+        tmp_path, valid_fraction=0.0, test_fraction=0.0, tokenizer_path=str(tmp_path / "m.model")
+    )
+    cfg.data.sources = [DataSource(path=str(tmp_path / "a.jsonl"), name="a")]
+    out = tmp_path / "dp"
+    run_prep(cfg, out)
+    tok = load_tokenizer(out / "tokenizer.json")
+    assert tok.vocab_size == sp.get_piece_size() + len(tok.special_ids)  # special tokens after its pieces
+    d = IndexedDataset(str(out / "text_train-a"))
+    got = {tuple(int(x) for x in d[i]) for i in range(len(d))}
+    assert got == {(*sp.encode(t), tok.eod) for t in texts}
+    from pipeline.preflight import preflight
+
+    cfg.model.vocab_size = tok.vocab_size - 1  # the pre-flight check sizes the model against the .model
+    with pytest.raises(ConfigError, match=rf"model\.vocab_size.*set model\.vocab_size >= {tok.vocab_size}"):
+        preflight(cfg)
+    with pytest.raises(ValueError, match=r"data\.tokenizer_path=.*nope\.model"):
+        cfg.data.tokenizer_path = str(tmp_path / "nope.model")
+        run_prep(cfg, tmp_path / "dp2")
