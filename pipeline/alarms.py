@@ -6,25 +6,14 @@ run's events.jsonl there as ``alarm`` events (called by pipeline.launch on rank 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.ledger import Ledger
+from pipeline.ledger import Ledger, read_metrics
 
 
 def read_alarms(run_dir: Path, stage: str) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "stages" / stage / "metrics.jsonl"
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and rec.get("kind") == "alarm":
-                out.append(rec)
-    return out
+    return [r for r in read_metrics(run_dir, stage) if r.get("kind") == "alarm"]
 
 
 def forward_alarms(ledger: Ledger, stage: str) -> int:

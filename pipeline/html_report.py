@@ -17,7 +17,7 @@ from typing import Any
 
 from pipeline.alarms import read_alarms
 from pipeline.config import STAGES, TRAIN_STAGES
-from pipeline.ledger import Ledger
+from pipeline.ledger import Ledger, read_metrics
 from pipeline.svg import PALETTE, Series, line_chart
 
 CURVES = (
@@ -51,20 +51,6 @@ var figs=document.querySelectorAll('figure.plot');var drawn=0;
 for(var i=0;i<figs.length;i++){if(figs[i].querySelector('polyline')){drawn++;}}
 document.body.setAttribute('data-plots',figs.length);document.body.setAttribute('data-plots-drawn',drawn);});
 """
-
-
-def read_metrics(run_dir: Path, stage: str) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "stages" / stage / "metrics.jsonl"
-    out: list[dict[str, Any]] = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-    return out
 
 
 def _esc(v: Any) -> str:

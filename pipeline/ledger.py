@@ -140,20 +140,26 @@ class Ledger:
         return {s: self.read(s) for s in stages}
 
 
-def accounting(run_dir: Path, stage: str) -> dict[str, Any]:
-    """Fault accounting of a stage from its metrics file: resumes, steps lost, downtime, checkpoint saves."""
+def read_metrics(run_dir: Path, stage: str) -> list[dict[str, Any]]:
+    """Every record of a stage's ``metrics.jsonl`` (a torn or foreign line is skipped)."""
     path = Path(run_dir) / "stages" / stage / "metrics.jsonl"
-    resumes, saves = [], []
+    out: list[dict[str, Any]] = []
     if path.exists():
         for line in path.read_text().splitlines():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if rec.get("kind") == "resume":
-                resumes.append(rec)
-            elif rec.get("kind") == "checkpoint":
-                saves.append(float(rec.get("save_s", 0.0)))
+            if isinstance(rec, dict):
+                out.append(rec)
+    return out
+
+
+def accounting(run_dir: Path, stage: str) -> dict[str, Any]:
+    """Fault accounting of a stage from its metrics file: resumes, steps lost, downtime, checkpoint saves."""
+    records = read_metrics(run_dir, stage)
+    resumes = [r for r in records if r.get("kind") == "resume"]
+    saves = [float(r.get("save_s", 0.0)) for r in records if r.get("kind") == "checkpoint"]
     down = [float(r["down_s"]) for r in resumes if r.get("down_s") is not None]
     return {
         "resumes": len(resumes),
