@@ -7,10 +7,12 @@ sets the torch.distributed variables from submitit's JobEnvironment, marks the l
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shlex
 import shutil
+import signal
 import socket
 import time
 import traceback
@@ -260,11 +262,21 @@ def end_local_job() -> None:
         siblings = psutil.Process(os.getppid()).children()
     except psutil.Error:
         return
+    mine = []
     for proc in siblings:
         try:
             if proc.pid != os.getpid() and proc.environ().get("SUBMITIT_LOCAL_JOB_ID") == job:
-                print(f"[launcher] ending rank process {proc.pid} of local job {job}", flush=True)
-                proc.kill()
+                mine.append(proc)
+        except psutil.Error:
+            continue
+    for proc in mine:  # first their stacks into their logs (stages.engine.signals.STACK_DUMP_SIGNAL)
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGQUIT)
+    psutil.wait_procs(mine, timeout=2.0)  # a moment to write them; a stopped process is killed all the same
+    for proc in mine:
+        try:
+            print(f"[launcher] ending rank process {proc.pid} of local job {job}", flush=True)
+            proc.kill()
         except psutil.Error:
             continue
 

@@ -61,6 +61,10 @@ class StopFlag:
         return self.signum is not None
 
 
+STACK_DUMP_SIGNAL = signal.SIGQUIT
+"""A training rank with a watchdog dumps every thread's stack to its log on this signal and goes on (the
+local launcher sends it to a job's other ranks before it ends them, so a hung sibling's stack is kept)."""
+
 HANG_HOOKS: list[Callable[[], None]] = []
 """Called by a firing watchdog just before the exit (the local launcher ends the job's other ranks)."""
 
@@ -83,6 +87,7 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         if self.timeout_s > 0:
+            faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
             self._thread.start()
         return self
 
