@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pipeline.config import DataConfig, PipelineConfig
+from pipeline.fsio import atomic_write_bytes
 from pipeline.fsio import atomic_write_text as _atomic_write
 from stages import tasks
 from stages.context import StageContext
@@ -511,9 +512,7 @@ class _FileWorld(_World):
     def _put(self, name: str, value: Any) -> None:
         import pickle
 
-        tmp = self.folder / f".{name}.tmp"
-        tmp.write_bytes(pickle.dumps(value))
-        os.replace(tmp, self.folder / name)
+        atomic_write_bytes(self.folder / name, pickle.dumps(value))
 
     def _get(self, name: str) -> Any:
         import pickle
@@ -607,9 +606,7 @@ def _mpi_rank_main(work: Path) -> None:
     ctx = StageContext(run_dir=Path(a["run_dir"]), stage=a["stage"], out_dir=Path(a["out_dir"]))
     out = main(cfg, ctx)
     if _world(cfg).rank == 0:
-        tmp = work / ".result.json.tmp"
-        tmp.write_text(json.dumps(out, default=str))
-        os.replace(tmp, work / "result.json")
+        _atomic_write(work / "result.json", json.dumps(out, default=str))
 
 
 def _world(cfg: PipelineConfig, out: Path | None = None) -> _World:

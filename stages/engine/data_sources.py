@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.fsio import atomic_write_text
+
 DOC_CHARS = 4000
 """Target size of a document cut from plain text (paragraphs are packed up to this size)."""
 ENCODE_BATCH = 512
@@ -424,15 +426,6 @@ def clean(text: str, d: Any) -> str | None:
     return None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def unit_done(scratch: Path, unit: Unit) -> dict[str, Any] | None:
     marker = scratch / f"u{unit.index:06d}.json"
     return json.loads(marker.read_text()) if marker.is_file() else None
@@ -491,7 +484,7 @@ def write_unit(unit: Unit, src: Any, d: Any, tokenizer: Any, dtype: Any, scratch
         "tokens": tokens,
         "examples": examples,
     }
-    _write_atomic(stem.with_suffix(".json"), json.dumps(info))
+    atomic_write_text(stem.with_suffix(".json"), json.dumps(info))
     return info
 
 
