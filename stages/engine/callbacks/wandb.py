@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pipeline.fsio import atomic_write_text
 from stages.engine.callbacks import Callback, StepView
 from stages.engine.callbacks.tensorboard import scalars
 
@@ -36,9 +37,7 @@ class WandB(Callback):
             return path.read_text().strip()
         rid = uuid.uuid4().hex[:12]
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(".run_id.tmp")
-        tmp.write_text(rid + "\n")
-        os.replace(tmp, path)
+        atomic_write_text(path, rid + "\n")
         return rid
 
     def on_train_start(self, view: StepView) -> None:
