@@ -2,8 +2,9 @@
 
 One global step of ``rlhf.algorithm=grpo`` (``GRPOUnit.updates`` + ``GRPOStep``, run by the one loop):
 
-1. prompts: the next ``P = global_batch_size / group_size`` prompts of the task's prompt stream (the SFT
-   file's prompts in a seeded order per epoch; the position is ``step * P``, saved in checkpoints);
+1. prompts: the next ``P = global_batch_size / group_size`` prompts of the task's prompt stream
+   (``task_prompts``: data_prep's ``rl_train.jsonl``, else the SFT file's prompts; a seeded order per epoch;
+   the position is ``step * P``, saved in checkpoints);
 2. rollouts: ``group_size`` samples per prompt from the policy (stages.engine.generate, KV cache, seeded by
    ``(seed, step)``, so a resumed run draws the same samples); every rank generates the whole batch;
 3. rewards ``r`` (stages.engine.rewards) and advantages ``A = (r - mean_g) / (std_g + 1e-6)`` per group
@@ -324,22 +325,42 @@ class GRPOUnit(TrainUnit):
         self.position = int(state.get("prompt_position", 0))
 
 
+def task_prompts(d: Any) -> tuple[list[str], list[str]]:
+    """The RL prompt stream's prompts and right answers: data_prep's ``rl_train.jsonl`` ({prompt, answer})
+    when it exists; else the prompts of ``sft_train.jsonl`` with the task checker's answer
+    (stages.tasks.parse_prompt; the SFT response only for a prompt the task cannot parse)."""
+    from stages import tasks
+    from stages.engine.data import read_jsonl
+
+    rl_file = d / "rl_train.jsonl"
+    if rl_file.is_file():
+        recs = read_jsonl(rl_file, ("prompt", "answer"))
+        return [r["prompt"] for r in recs], [r["answer"] for r in recs]
+    recs = read_jsonl(d / "sft_train.jsonl", ("prompt", "response"))
+    answers = []
+    for r in recs:
+        try:
+            answers.append(tasks.parse_prompt(r["prompt"]).answer)
+        except ValueError:
+            answers.append(r["response"])
+    return [r["prompt"] for r in recs], answers
+
+
 def online_unit(env: Any) -> tuple[GRPOUnit, None]:
     """The GRPO unit of a stage (``train_stage(unit=...)``): prompt stream, reward, frozen reference."""
-    from stages.engine.data import read_jsonl
     from stages.engine.rewards import make_reward
     from stages.engine.run import data_dir
 
     st, tok = env.stage, env.tokenizer
-    recs = read_jsonl(data_dir(env.ctx) / "sft_train.jsonl", ("prompt", "response"))
-    prompts = [tok.prompt_ids(r["prompt"]) for r in recs]
+    texts, answers_text = task_prompts(data_dir(env.ctx))
+    prompts = [tok.prompt_ids(p) for p in texts]
     longest = max(len(p) for p in prompts)
     if longest + st.max_new_tokens > env.seq_length:
         raise ValueError(
             f"rlhf.max_new_tokens={st.max_new_tokens}: the longest prompt ({longest} tokens) + max_new_tokens "
             f"exceeds rlhf.seq_length={env.seq_length}; lower max_new_tokens or raise seq_length"
         )
-    answers = {tuple(p): r["response"] for p, r in zip(prompts, recs)}
+    answers = {tuple(p): a for p, a in zip(prompts, answers_text)}
     reward = make_reward(st.reward, tokenizer=tok, answers=answers)
     reference = NamedModel("reference", env.frozen_model(weights="built"), init="init_from")
     unit = GRPOUnit(
