@@ -210,7 +210,7 @@ class Checkpointer:
                 state,
                 final=final,
                 async_save=self.async_save and not force,
-                models=models,
+                **({"models": models} if models else {}),  # subclasses written before models stay valid
             )
             self.failures = 0
         except WRITE_FAILURES as e:  # CheckpointError, OSError, torch's CheckpointException (a full disk)
