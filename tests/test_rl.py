@@ -135,3 +135,20 @@ def test_grpo_config_is_validated(overrides: list[str], message: str) -> None:
     assert load_config(["rlhf=grpo"]).rlhf.algorithm == "grpo"
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(["rlhf=grpo", *overrides])
+
+
+def test_gae_by_hand() -> None:
+    from stages.engine.rl import gae
+
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 5.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7], [1.0, 1.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # the second row ends after 2 tokens
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    # row 1: deltas 0.1, 0.1, 0.3 -> A2 = 0.3, A1 = 0.1 + 0.95 * 0.3, A0 = 0.1 + 0.95 * A1
+    a1 = 0.1 + 0.95 * 0.3
+    torch.testing.assert_close(adv[0], torch.tensor([0.1 + 0.95 * a1, a1, 0.3]))
+    torch.testing.assert_close(ret[0], adv[0] + values[0])
+    adv2, ret2 = gae(rewards, values, mask, gamma=0.5, lam=0.5)
+    # row 2 (gamma = lam = 0.5): delta1 = 2 - 1 = 1, delta0 = 0.5 * 1 - 1 = -0.5 -> A = [-0.5 + 0.25, 1, 0]
+    torch.testing.assert_close(adv2[1], torch.tensor([-0.25, 1.0, 0.0]))
+    torch.testing.assert_close(ret2[1], torch.tensor([0.75, 2.0, 0.0]))

@@ -60,6 +60,28 @@ def group_advantages(rewards: np.ndarray, group_size: int, eps: float = ADV_EPS)
     return adv.reshape(-1).astype(np.float32)
 
 
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over response tokens (for PPO with a critic): advantages, returns.
+
+    ``rewards``, ``values``, ``mask``: [b, T]; ``mask`` 1 on each row's tokens (a contiguous run from
+    position 0 after alignment, right-padded). The value after a row's last token is 0 (the episode ends):
+    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}, returns = A + V; 0 on padding.
+    """
+    m = mask.float()
+    r, v = rewards.float() * m, values.float() * m
+    adv = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    next_value = torch.zeros_like(r[:, 0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        running = (delta + gamma * lam * running) * m[:, t]
+        adv[:, t] = running
+        next_value = v[:, t]
+    return adv, (adv + v) * m
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token KL(pi || ref) estimate k3 = exp(ref - logp) - (ref - logp) - 1 (>= 0, unbiased on samples of pi)."""
     d = ref_logp - logp
