@@ -79,7 +79,9 @@ def run_ranks(cfg: dict, out: Path, ranks: int) -> dict:
     return {"wall_s": time.perf_counter() - t, "peak_rss_mb": max(r["peak_rss_mb"] for r in results)}
 
 
-def megatron_baseline(mlm: Path, corpus: Path, tok_dir: Path, workers: int, tmp: Path) -> float | str:
+def megatron_baseline(
+    mlm: Path, corpus: Path, tok_dir: Path, workers: int, tmp: Path, python: str
+) -> float | str:
     script = mlm / "tools" / "preprocess_data.py"
     if not script.is_file():
         return f"no {script}"
@@ -88,7 +90,7 @@ def megatron_baseline(mlm: Path, corpus: Path, tok_dir: Path, workers: int, tmp:
     except ImportError:
         return "its HuggingFaceTokenizer needs the transformers package (pip install transformers)"
     cmd = [
-        sys.executable,
+        python,
         str(script),
         "--input",
         str(corpus),
@@ -113,6 +115,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=50.0, help="corpus size in MB")
     ap.add_argument("--megatron-lm", type=Path, default=None, help="a Megatron-LM checkout (baseline)")
+    ap.add_argument(
+        "--megatron-python",
+        default=sys.executable,
+        help="interpreter for the baseline (its megatron.core imports triton, which a CPU venv may lack)",
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from pipeline.config import DataConfig, DataSource, PipelineConfig
@@ -146,7 +153,7 @@ def main() -> int:
             )
         print(f"1 -> 2 ranks scaling efficiency: {eff:.2f} (goal >= 0.90)")
         if args.megatron_lm:
-            base = megatron_baseline(args.megatron_lm, corpus, tok_dir, 1, tmp)
+            base = megatron_baseline(args.megatron_lm, corpus, tok_dir, 1, tmp, args.megatron_python)
             if isinstance(base, float):
                 print(
                     f"Megatron-LM preprocess_data.py, 1 worker: {base:.1f} s; ratio ours/theirs: {base / runs[1]['wall_s']:.2f}x (goal >= 2)"
