@@ -106,9 +106,11 @@ def megatron_baseline(
     ]
     t = time.perf_counter()
     r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(mlm)}, capture_output=True, text=True)
-    if r.returncode:
+    wall = time.perf_counter() - t
+    out = tmp / "mlm_text_document.bin"
+    if r.returncode or not out.is_file() or out.stat().st_size == 0:  # a worker's error may still exit 0
         return "failed: " + (r.stderr.strip().splitlines() or ["?"])[-1]
-    return time.perf_counter() - t
+    return wall
 
 
 def main() -> int:
@@ -133,6 +135,14 @@ def main() -> int:
         tok_dir = tmp / "tok"
         tok_dir.mkdir()
         (tok_dir / "tokenizer.json").write_text(data_prep.train_tokenizer(sample, 4096).to_str())
+        # What transformers' AutoTokenizer (Megatron-LM's HuggingFaceTokenizer) needs to find the eod token
+        eod = data_prep.SPECIAL_TOKENS["eod"]
+        tok_cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": eod,
+            "model_max_length": 1 << 30,
+        }
+        (tok_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
         cfg = PipelineConfig()
         cfg.data = DataConfig(
             corpus="sources",
@@ -155,6 +165,11 @@ def main() -> int:
         if args.megatron_lm:
             base = megatron_baseline(args.megatron_lm, corpus, tok_dir, 1, tmp, args.megatron_python)
             if isinstance(base, float):
+                ours = sum(f.stat().st_size for f in (tmp / "out1").glob("text_*.bin"))
+                theirs = (tmp / "mlm_text_document.bin").stat().st_size
+                print(
+                    f"token bytes: ours {ours}, Megatron-LM {theirs} ({'same' if ours == theirs else 'DIFFER'})"
+                )
                 print(
                     f"Megatron-LM preprocess_data.py, 1 worker: {base:.1f} s; ratio ours/theirs: {base / runs[1]['wall_s']:.2f}x (goal >= 2)"
                 )
