@@ -1,6 +1,7 @@
 """Data prep throughput: 1 vs 2 ranks, peak memory against corpus size, and Megatron-LM's preprocess_data.py.
 
-    python bench/bench_data_prep.py --mb 200 [--megatron-lm /path/to/Megatron-LM checkout]
+    python bench/bench_data_prep.py --mb 50 [--megatron-lm /path/to/Megatron-LM checkout]
+    python bench/bench_data_prep.py --mb 1000 --memory-only
 
 Generates a JSON-lines corpus of ``--mb`` MB in a temp folder, trains one tokenizer on it, then times
 ``data_prep`` (corpus=sources, the given tokenizer) with 1 rank and with 2 ranks (two processes meeting
@@ -122,6 +123,11 @@ def main() -> int:
         default=sys.executable,
         help="interpreter for the baseline (its megatron.core imports triton, which a CPU venv may lack)",
     )
+    ap.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="one 2-rank run: peak RSS per rank against the corpus size (no scaling, no baseline)",
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from pipeline.config import DataConfig, DataSource, PipelineConfig
@@ -154,6 +160,13 @@ def main() -> int:
             shard_mb=max(1.0, args.mb / 16),
         )
         cfg.data_prep.threads = 1
+        if args.memory_only:
+            r = run_ranks(cfg.to_dict(), tmp / "out2", 2)
+            print(
+                f"corpus {size / 1e6:.0f} MB, data_prep 2 ranks: {r['wall_s']:.1f} s, peak RSS "
+                f"{r['peak_rss_mb']:.0f} MB per rank: the corpus is {size / 1e6 / r['peak_rss_mb']:.1f}x one rank's memory"
+            )
+            return 0
         runs = {n: run_ranks(cfg.to_dict(), tmp / f"out{n}", n) for n in (1, 2)}
         eff = runs[1]["wall_s"] / (2 * runs[2]["wall_s"])
         print(f"corpus {size / 1e6:.0f} MB")
