@@ -344,6 +344,20 @@ def _init_from(cfg: PipelineConfig, stage: str) -> None:
     check_shape(key, value, ckpt, cfg)
 
 
+def _hf_init_from(cfg: PipelineConfig, stage: str, value: str) -> None:
+    """``hf:<dir>``: a Hugging Face model directory (its config.json was already read by pipeline.hf_model)."""
+    from pipeline.hf_arch import is_hf_dir, parse_ref
+
+    path = parse_ref(value)
+    if path is None or not is_hf_dir(path):
+        _fail(
+            f"{stage}.init_from", value, f"{path}: needs config.json and *.safetensors (a Hugging Face model)"
+        )
+
+
+INIT_FROM_SCHEMES["hf"] = _hf_init_from
+
+
 def checkpoint_dir(key: str, value: str) -> Path:
     """The checkpoint ``value`` names: a committed ``iter_*`` directory, or a root holding them (newest
     with a marker), as ``Checkpointer`` resolves it in the job."""
