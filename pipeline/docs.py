@@ -19,6 +19,7 @@ SECTIONS = (
     ("pretrain / sft / rlhf", "TrainStage"),
     ("<stage>.parallel", "ParallelConfig"),
     ("<train stage>.monitor", "MonitorConfig"),
+    ("<train stage>.peft", "PeftConfig"),
     ("eval", "EvalStage"),
     ("planner", "PlannerConfig"),
 )

@@ -689,7 +689,9 @@ def load(path: Path, *, model_chunks: list, optimizer: Any = None, scheduler: An
     optim_fix.apply()
     start = time.monotonic()
     loaded = _dist_load(_sharded_state_dict(model_chunks, optimizer, is_loading=True), path)
-    _load_model(model_chunks, loaded, path)
+    from stages.engine.lora import has_lora
+
+    _load_model(model_chunks, loaded, path, strict=not has_lora(model_chunks))  # LoRA: adapters only
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     common = loaded[_COMMON_KEY]
@@ -701,12 +703,21 @@ def load(path: Path, *, model_chunks: list, optimizer: Any = None, scheduler: An
 
 
 def load_weights(path: Path, model_chunks: list) -> None:
-    """Load only the model weights of checkpoint ``path`` (``init_from``: fresh optimizer and schedule)."""
+    """Load only the model weights of checkpoint ``path`` (``init_from``: fresh optimizer and schedule).
+
+    A LoRA stage's checkpoint (adapters only) loads as its base weights (recorded in it) with the adapters
+    merged in (stages/engine/lora.py). Into a model with adapters, only the base weights are loaded.
+    """
     path = Path(path)
     _require_committed(path)
-    _load_model(
-        model_chunks, _dist_load(_sharded_state_dict(model_chunks, None, is_loading=True), path), path
-    )
+    from stages.engine import lora
+
+    rec = lora.checkpoint_record(path)
+    if rec is not None:
+        lora.load_merged(path, model_chunks, rec)
+        return
+    sharded = _sharded_state_dict(model_chunks, None, is_loading=True, part="base")
+    _load_model(model_chunks, _dist_load(sharded, path), path, strict=not lora.has_lora(model_chunks))
 
 
 def _dist_load(sharded: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -725,16 +736,18 @@ def _require_committed(path: Path) -> None:
     check_loads_without_code(path)
 
 
-def _load_model(model_chunks: list, loaded: dict, path: Path) -> None:
+def _load_model(model_chunks: list, loaded: dict, path: Path, strict: bool = True) -> None:
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(list(model_chunks))
     for i, chunk in enumerate(chunks):
         key = _model_key(i, len(chunks))
         try:
-            chunk.load_state_dict(loaded[key], strict=True)
+            missing, unexpected = chunk.load_state_dict(loaded[key], strict=strict)
         except (KeyError, RuntimeError) as e:
             raise CheckpointError(f"{path}: model chunk {key!r} does not load: {e}") from e
+        if unexpected:  # not strict (a LoRA model: base or adapters only); every requested key was loaded
+            raise CheckpointError(f"{path}: model chunk {key!r}: unexpected keys {unexpected[:5]}")
 
 
 def _load_scheduler(scheduler: Any, common: dict, path: Path) -> None:
@@ -762,13 +775,22 @@ def _model_key(index: int, count: int) -> str:
     return "model" if count == 1 else f"model{index}"
 
 
-def _sharded_state_dict(model_chunks: list, optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
+def _sharded_state_dict(
+    model_chunks: list, optimizer: Any, *, is_loading: bool, part: str = "state"
+) -> dict[str, Any]:
+    """``part``: state (what a checkpoint of this model holds: everything, or the adapters only for a LoRA
+    model, whose base weights come from its init_from) or base (the weights without adapters)."""
     from megatron.core.utils import unwrap_model
+
+    from stages.engine.lora import has_lora, is_adapter_key
 
     chunks = unwrap_model(list(model_chunks))
     sharded: dict[str, Any] = {
         _model_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)
     }
+    if has_lora(chunks):
+        keep = (lambda k: is_adapter_key(k)) if part == "state" else (lambda k: not is_adapter_key(k))
+        sharded = {m: {k: v for k, v in sd.items() if keep(k)} for m, sd in sharded.items()}
     if optimizer is not None:
         metadata = _DISTOPT_METADATA if _is_distributed_optimizer(optimizer) else None
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=is_loading, metadata=metadata)

@@ -258,6 +258,8 @@ def load_hf(chunks: list[Any], hf_dir: Path, model: ModelConfig) -> int:
         with torch.no_grad():
             for local_name, param in gpt.named_parameters():
                 name = _global_name(gpt, local_name)
+                if name.endswith((".lora_a", ".lora_b")):
+                    continue  # LoRA adapters (stages/engine/lora.py) start from their own init
                 hf_names, kind, _ = match(name)
                 if name == "output_layer.weight" and (model.tie_embeddings or hf_names[0] not in reader):
                     if not model.tie_embeddings:
