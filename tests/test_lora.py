@@ -182,3 +182,83 @@ def subprocess_plan(overrides: list[str]) -> str:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+EXPORT_BOTH = """
+import json, sys
+from pathlib import Path
+from stages.engine.checkpoint import find_latest
+from stages.engine.convert.export import export
+from stages.engine.convert.lora_export import export_peft
+from pipeline.hf_arch import model_config
+hf, root, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+model, ckpt = model_config(hf, seq_length=32), find_latest(root, collective=False)
+merged = export(model, ckpt, out / "merged", hf)
+peft = export_peft(model, ckpt, out / "peft", hf)
+print(json.dumps({"merged": merged["check"], "peft": peft["check"]}))
+"""
+
+LOGITS = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from peft import PeftModel
+hf, out = sys.argv[1], sys.argv[2]
+tokens = torch.tensor([[5, 17, 99, 3, 250, 7, 41, 12], [1, 2, 3, 4, 5, 6, 7, 8]])
+load = lambda d: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+with torch.no_grad():
+    base = load(hf)(tokens).logits
+    merged = load(out + "/merged")(tokens).logits
+    peft = PeftModel.from_pretrained(load(hf), out + "/peft").eval()(tokens).logits
+rel = lambda a, b: float((a - b).abs().max() / b.abs().max())
+print(rel(peft, merged), rel(base, merged))
+"""
+
+
+def test_lora_export_merged_and_peft_give_the_same_logits(tmp_path: Path) -> None:
+    """SFT-style LoRA from a Hugging Face Llama-3-style model, then both exports: the merged model and the
+    PEFT adapter directory loaded by ``peft`` onto the base give the same logits (and not the base's)."""
+    import dataclasses
+    import json
+    import subprocess
+
+    from hf_models import make
+
+    from pipeline.hf_arch import model_config
+
+    hf = make("llama3", tmp_path / "hf")
+    model = dataclasses.asdict(model_config(hf, seq_length=32))
+    root = tmp_path / "run" / "checkpoints"
+    spec = {"model": model, "parallel": {"global_batch_size": 8, "micro_batch_size": 4}, "peft": LORA}
+    drill.launch(
+        1, {**spec, "init_from": str(hf), "root": str(root), "dump": str(tmp_path / "dump")}, tmp_path / "run"
+    )
+    env = {"PYTHONPATH": str(drill.REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    run = [sys.executable, "-c"]
+    done = subprocess.run(
+        [*run, EXPORT_BOTH, str(hf), str(root), str(tmp_path / "out")],
+        cwd=drill.REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    checks = json.loads(done.stdout.strip().splitlines()[-1])
+    assert checks["merged"]["passed"] and checks["peft"]["passed"], checks
+    adapter = json.loads((tmp_path / "out" / "peft" / "adapter_config.json").read_text())
+    assert adapter["r"] == LORA["rank"] and set(adapter["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+    done = subprocess.run(
+        [*run, LOGITS, str(hf), str(tmp_path / "out")], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    peft_vs_merged, base_vs_merged = map(float, done.stdout.split())
+    print(f"\nLoRA export: peft vs merged {peft_vs_merged:.2e}, base vs merged {base_vs_merged:.2e}")
+    assert peft_vs_merged < 1e-5 and base_vs_merged > 100 * peft_vs_merged
