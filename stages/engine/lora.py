@@ -43,6 +43,22 @@ PEFT_STATE_KEY = "peft"
 """Key of a LoRA stage's record in the checkpoint's common state: the settings and the base it adapts."""
 
 
+def _late(module: str) -> Any:
+    """A module imported at call time by name: checkpoint and convert.hf call back into this module (a LoRA
+    checkpoint's base is loaded recursively, maybe from a Hugging Face directory), so they are bound late
+    rather than imported (the engine's acyclic-siblings contract, tests/test_layering.py)."""
+    import importlib
+
+    return importlib.import_module(module)
+
+
+def unwrap(chunk: Any) -> Any:
+    """The GPTModel inside DDP / Float16Module wrappers (as stages.engine.model.unwrap)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 def is_adapter_key(name: str) -> bool:
     """A parameter / checkpoint key of a LoRA adapter."""
     return name.endswith(ADAPTER_SUFFIXES)
@@ -234,10 +250,8 @@ def adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
     """The full adapter tensors of a LoRA checkpoint by global parameter name
     (``decoder.layers.<global layer>.<linear>.lora_a`` / ``.lora_b``); megatron saves the layers stacked
     (``decoder.layers.<linear>.lora_a`` with a leading layer axis), unstacked here."""
-    from stages.engine.checkpoint import load_tensors
-
     out = {}
-    for key, t in load_tensors(path).items():
+    for key, t in _late("stages.engine.checkpoint").load_tensors(path).items():
         if not is_adapter_key(key) or key.startswith("optimizer"):
             continue
         if key.startswith("decoder.layers.") and t.dim() == 3:
@@ -263,8 +277,6 @@ def full_deltas(path: Path, rec: dict[str, Any]) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def merge_checkpoint(path: Path, chunks: list[Any], rec: dict[str, Any], tp_rank: int, tp_size: int) -> int:
     """Add the adapters of LoRA checkpoint ``path`` to the (base) weights of ``chunks``, each rank its shard."""
-    from stages.engine.model import unwrap
-
     deltas = full_deltas(path, rec)
     merged = 0
     for chunk in chunks:
@@ -290,14 +302,13 @@ def merge_checkpoint(path: Path, chunks: list[Any], rec: dict[str, Any], tp_rank
 def load_base(base: str | Path, chunks: list[Any]) -> None:
     """Load base weights into ``chunks``: a Hugging Face directory or a checkpoint (itself maybe LoRA)."""
     from pipeline.hf_arch import is_hf_dir, parse_ref
-    from stages.engine import checkpoint
 
+    checkpoint = _late("stages.engine.checkpoint")
     path = parse_ref(str(base)) or Path(base)
     if is_hf_dir(path):
         from pipeline.hf_arch import model_config
-        from stages.engine.convert.hf import load_hf
 
-        load_hf(chunks, path, model_config(path))
+        _late("stages.engine.convert.hf").load_hf(chunks, path, model_config(path))
         return
     found = path if (path / checkpoint.MARKER).is_file() else checkpoint.find_latest(path)
     if found is None:
@@ -308,7 +319,6 @@ def load_base(base: str | Path, chunks: list[Any]) -> None:
 def load_merged(path: Path, chunks: list[Any], rec: dict[str, Any]) -> None:
     """A LoRA checkpoint as weights: its base (recorded in it), then its adapters merged in."""
     from stages.engine import distributed as D
-    from stages.engine.model import unwrap
 
     if not rec.get("base"):
         raise ValueError(f"{path}: a LoRA checkpoint without a recorded base")
