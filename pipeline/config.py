@@ -480,6 +480,37 @@ class MonitorConfig:
             _fail("wandb_project", self.wandb_project, "must be a non-empty name without '/'")
 
 
+LORA_TARGETS: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""megatron's linear kinds LoRA can adapt: attention qkv (column-parallel) and output (row-parallel), MLP fc1
+(column-parallel; gate and up with swiglu) and fc2 (row-parallel)."""
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning of an sft/rlhf stage (``<stage>.peft``; stages/engine/lora.py)."""
+
+    method: str = "none"
+    """none (full fine-tuning) or lora: low-rank adapters on megatron's parallel linears, base weights frozen and not saved in the stage's checkpoints."""
+    rank: int = num(8, ge=1)
+    """LoRA rank r (A: r x in, B: out x r)."""
+    alpha: float = num(16.0, integer=False, gt=0)
+    """LoRA alpha: the adapter's output is scaled by alpha / rank."""
+    dropout: float = num(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Linear kinds that get adapters, any of linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+
+    def __post_init__(self) -> None:
+        check_domains(self)
+        _choice("method", self.method, ("none", "lora"))
+        if not self.target_modules:
+            _fail("target_modules", self.target_modules, f"name at least one of {list(LORA_TARGETS)}")
+        for t in self.target_modules:
+            _choice("target_modules", t, LORA_TARGETS)
+        if len(set(self.target_modules)) != len(self.target_modules):
+            _fail("target_modules", self.target_modules, "each linear kind at most once")
+
+
 @dataclass
 class TrainStage:
     """A training stage (pretrain, sft, rlhf): the shared loop's settings."""
@@ -544,6 +575,8 @@ class TrainStage:
     """rlhf algorithm: dpo (offline, preference pairs) or grpo (online: sampling, rewards, clipped policy loss)."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """TensorBoard / W&B sinks and alarm thresholds (no effect on results)."""
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    """sft/rlhf: full fine-tuning (method=none) or LoRA adapters (method=lora, rank, alpha, dropout, target_modules)."""
 
     def __post_init__(self) -> None:
         check_domains(self)
@@ -744,6 +777,7 @@ _DATACLASSES: dict[str, type] = {
         ModelConfig,
         ParallelConfig,
         MonitorConfig,
+        PeftConfig,
         ClusterConfig,
         DataConfig,
         DataSource,
@@ -847,6 +881,20 @@ def _check_ignored(pc: PipelineConfig) -> None:
             value = getattr(getattr(pc, name), k)
             if value != getattr(train_default, k):
                 _fail(f"{name}.{k}", value, f"only rlhf reads it (set rlhf.{k}); leave it at its default")
+    if pc.pretrain.peft.method != "none":
+        _fail(
+            "pretrain.peft.method",
+            pc.pretrain.peft.method,
+            "LoRA is for sft and rlhf; pretrain trains every weight",
+        )
+    for name in ("sft", "rlhf"):
+        st = getattr(pc, name)
+        if st.peft.method == "lora" and st.init_from in (None, "", "none", "null"):
+            _fail(
+                f"{name}.peft.method",
+                st.peft.method,
+                f"LoRA adapts a base model: {name}.init_from must name one (auto, a checkpoint or hf:<dir>), not null",
+            )
     cluster_default, c = ClusterConfig(), pc.cluster
     if c.executor != "slurm":
         for k in _SLURM_ONLY:

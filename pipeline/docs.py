@@ -20,6 +20,7 @@ SECTIONS = (
     ("rlhf (besides the TrainStage keys)", "RLHFStage"),
     ("<stage>.parallel", "ParallelConfig"),
     ("<train stage>.monitor", "MonitorConfig"),
+    ("<train stage>.peft", "PeftConfig"),
     ("eval", "EvalStage"),
     ("planner", "PlannerConfig"),
 )

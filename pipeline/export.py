@@ -9,6 +9,11 @@ Every export checks itself: transformers loads the directory on CPU and its logi
 compared with the megatron model's; the maximum difference goes into export_manifest.json and into the
 run's event log (``export`` event). Over the tolerance, nothing is written and the exit code is 1.
 Exit code 2: bad arguments (no such run, stage or checkpoint; a model without a Hugging Face twin).
+
+A LoRA stage (``<stage>.peft.method=lora``) exports ``--merged`` (default: the adapters folded into the base
+weights, then the same files and check) or ``--peft``: a PEFT adapter directory (adapter_config.json,
+adapter_model.safetensors) that ``peft`` loads onto the base model, checked the same way
+(stages/engine/convert/lora_export.py).
 """
 
 from __future__ import annotations
@@ -49,8 +54,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.export", description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("stage", nargs="?", help="pretrain | sft | rlhf (default: the last completed one)")
-    ap.add_argument("--out", type=Path, help="output directory (default: <run_dir>/export/<stage>)")
+    ap.add_argument(
+        "--out", type=Path, help="output directory (default: <run_dir>/export/<stage>, --peft: <stage>-peft)"
+    )
     ap.add_argument("--tolerance", type=float, default=None, help="largest relative logit difference")
+    kind = ap.add_mutually_exclusive_group()
+    kind.add_argument(
+        "--merged",
+        dest="peft",
+        action="store_false",
+        help="a LoRA stage: its adapters merged into the base weights, one full model (the default)",
+    )
+    kind.add_argument(
+        "--peft",
+        dest="peft",
+        action="store_true",
+        help="a LoRA stage: a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) for "
+        "its base model (a Hugging Face base is referenced, a checkpoint base is exported into <out>/base)",
+    )
     args = ap.parse_args(argv)
     run_dir = args.run_dir.resolve()
     try:
@@ -68,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"run_dir: {tokenizer_dir}/tokenizer.json missing (data_prep did not complete)")
         # data_prep's copy of the run's tokenizer: a Hugging Face model's files unchanged (tokenizer.json,
         # tokenizer_config.json with its chat template), and the manifest's stop tokens
-        out = (args.out or run_dir / "export" / stage).resolve()
+        out = (args.out or run_dir / "export" / (f"{stage}-peft" if args.peft else stage)).resolve()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -77,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 
     TOLERANCE, ExportError, export = exp.TOLERANCE, exp.ExportError, exp.export
 
+    if args.peft:
+        export = importlib.import_module("stages.engine.convert.lora_export").export_peft
     try:
         manifest = export(
             cfg.model,

@@ -125,11 +125,19 @@ def _memory_table(est: StageEstimate) -> list[str]:
     w, g, o = BYTES_PER_PARAM[par.precision]
     shard = f" / dp {est.plan.dp}" if par.distributed_optimizer else ""
     ref = " x2 (DPO reference)" if est.stage == "rlhf" else ""
+    lora = ranks[0].trainable is not None
     rows: list[tuple[str, list[str]]] = [
         ("  parameters", [_count(r.params) for r in ranks]),
+    ]
+    if ranks[0].trainable is not None:
+        rows.append(("  trainable (LoRA adapters)", [_count(r.trainable or 0) for r in ranks]))
+    rows += [
         (f"  weights ({w} B/param{ref})", [_gib(r.weights) for r in ranks]),
-        (f"  gradients ({g} B/param)", [_gib(r.gradients) for r in ranks]),
-        (f"  optimizer state ({o} B/param{shard})", [_gib(r.optimizer) for r in ranks]),
+        (f"  gradients ({g} B/{'adapter ' if lora else ''}param)", [_gib(r.gradients) for r in ranks]),
+        (
+            f"  optimizer state ({o} B/{'adapter ' if lora else ''}param{shard})",
+            [_gib(r.optimizer) for r in ranks],
+        ),
     ]
     for mode in RECOMPUTE_MODES:
         mark = "*" if mode == par.recompute else " "

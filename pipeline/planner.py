@@ -93,6 +93,26 @@ def layer_params(m: ModelConfig, tp: int = 1) -> int:
     return qkv + proj + mlp + 2 * _norm_params(m)
 
 
+def lora_layer_params(m: ModelConfig, rank: int, targets: list[str], tp: int = 1) -> int:
+    """LoRA adapter parameters of one layer on one tensor-parallel rank (stages/engine/lora.py): a
+    column-parallel linear (qkv, fc1) has A (r x in) replicated and B (out x r) split; a row-parallel one
+    (proj, fc2) A split and B replicated."""
+    h, q = m.hidden_size, m.num_attention_heads * _kv_channels(m)
+    kv = (m.num_query_groups or m.num_attention_heads) * _kv_channels(m)
+    fc1 = _ffn(m) * (2 if m.activation == "swiglu" else 1)
+    shapes = {  # kind: (in, out, column-parallel)
+        "linear_qkv": (h, q + 2 * kv, True),
+        "linear_proj": (q, h, False),
+        "linear_fc1": (h, fc1, True),
+        "linear_fc2": (_ffn(m), h, False),
+    }
+    n = 0
+    for kind in targets:
+        fan_in, fan_out, column = shapes[kind]
+        n += rank * fan_in + fan_out * rank // tp if column else rank * fan_in // tp + fan_out * rank
+    return n
+
+
 def embedding_params(m: ModelConfig, vocab: int, tp: int = 1) -> int:
     """Word embeddings (split over tp) and, for learned absolute positions, the replicated position table."""
     positions = (
@@ -209,6 +229,8 @@ class RankMemory:
     gradients: int
     optimizer: int
     activations: dict[str, int]
+    trainable: int | None = None
+    """LoRA: the adapter parameters (gradients and optimizer state are theirs only); None: all of params."""
 
     def total(self, recompute: str) -> int:
         return self.weights + self.gradients + self.optimizer + self.activations[recompute]
@@ -241,8 +263,10 @@ def checkpoint_estimate(cfg: PipelineConfig, est: StageEstimate) -> CheckpointEs
     w, _, o = BYTES_PER_PARAM[est.parallel.precision]
     dp = est.plan.dp
     opt_share = dp if est.parallel.distributed_optimizer else 1
-    rank_bytes = max(r.params * w + r.params * o // opt_share for r in est.ranks)
-    total = sum(r.params for r in est.ranks) * est.plan.tp * (w + o)
+    # a LoRA stage saves its adapters and their optimizer state only (the base comes from init_from)
+    saved = [r.params if r.trainable is None else r.trainable for r in est.ranks]
+    rank_bytes = max(n * w + n * o // opt_share for n in saved)
+    total = sum(saved) * est.plan.tp * (w + o)
     node_bytes = min(rank_bytes * est.plan.tasks_per_node, total)
     bw = cfg.cluster.fs_bandwidth_gb_s * 1e9
     hash_rate = cfg.planner.checksum_gb_s * 1e9
@@ -322,13 +346,30 @@ def capacity_bytes(cfg: PipelineConfig, plan: ParallelPlan) -> int | None:
 
 
 def rank_memory(
-    m: ModelConfig, par: ParallelConfig, dp: int, vocab: int, pp_rank: int, micro_batches: int
+    m: ModelConfig,
+    par: ParallelConfig,
+    dp: int,
+    vocab: int,
+    pp_rank: int,
+    micro_batches: int,
+    peft: Any = None,
 ) -> RankMemory:
-    """Weights, gradients, optimizer state (sharded over dp with the distributed optimizer) and activations."""
+    """Weights, gradients, optimizer state (sharded over dp with the distributed optimizer) and activations.
+
+    ``peft`` (method=lora): the adapters are added to the weights; gradients and optimizer state are the
+    adapters' only (the base is frozen)."""
     params = rank_params(m, vocab, par.tp, par.pp, pp_rank)
     w, g, o = BYTES_PER_PARAM[par.precision]
-    optimizer = params * o // (dp if par.distributed_optimizer else 1)
     acts = {r: rank_activation_bytes(m, par, vocab, pp_rank, micro_batches, r) for r in RECOMPUTE_MODES}
+    if peft is not None and peft.method == "lora":
+        trainable = (
+            m.num_layers // par.pp * lora_layer_params(m, peft.rank, list(peft.target_modules), par.tp)
+        )
+        optimizer = trainable * o // (dp if par.distributed_optimizer else 1)
+        return RankMemory(
+            pp_rank, params + trainable, (params + trainable) * w, trainable * g, optimizer, acts, trainable
+        )
+    optimizer = params * o // (dp if par.distributed_optimizer else 1)
     return RankMemory(pp_rank, params, params * w, params * g, optimizer, acts)
 
 
@@ -343,7 +384,7 @@ def _estimate(cfg: PipelineConfig, stage: str) -> StageEstimate:
     m, par = cfg.model, st.parallel
     vocab = padded_vocab(m, config_vocab(cfg), par.tp)
     micro = par.global_batch_size // (par.micro_batch_size * plan.dp)
-    ranks = tuple(rank_memory(m, par, plan.dp, vocab, r, micro) for r in range(par.pp))
+    ranks = tuple(rank_memory(m, par, plan.dp, vocab, r, micro, st.peft) for r in range(par.pp))
     if stage == "rlhf":  # DPO keeps a frozen reference model: weights only
         ranks = tuple(dataclasses.replace(r, weights=2 * r.weights) for r in ranks)
     model_flops, executed = step_flops(m, vocab, par.global_batch_size, par.recompute)

@@ -8,7 +8,7 @@ SPEC keys: model, parallel, stage (overrides of ModelConfig / ParallelConfig / T
 load_weights (a checkpoint root for the model weights only, every model chunk, written with
 stages.engine.checkpoint), ckpt (a checkpoint root: resume from it and save every ``save_interval``
 steps through the trainer's Checkpointer), save_interval, metrics (a metrics.jsonl path), out (result
-file of rank 0; set by launch), tensorboard (a TensorBoard log dir), raising_sink (add a sink that raises).
+file of rank 0; set by launch), peft (a PeftConfig dict: LoRA), tensorboard (a TensorBoard log dir), raising_sink (add a sink that raises).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _callbacks(spec: dict[str, Any]) -> Any:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    from pipeline.config import ModelConfig, ParallelConfig, TrainStage
+    from pipeline.config import ModelConfig, ParallelConfig, PeftConfig, TrainStage
     from stages.context import MetricsWriter
     from stages.engine import distributed as D
     from stages.engine.model import build_model, model_config, num_parameters
@@ -130,7 +130,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     D.init(par.tp, par.pp, par.vpp, seed=stage.seed, threads=stage.threads)
     try:
         vocab = spec.get("vocab", 256)
-        chunks = build_model(model_cfg, par, vocab)
+        peft = PeftConfig(**spec["peft"]) if spec.get("peft") else None
+        chunks = build_model(model_cfg, par, vocab, peft)
         if spec.get("load_weights"):
             _weights(chunks, spec["load_weights"], save=False)
         if spec.get("save_weights"):
@@ -174,6 +175,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "recompute": model_config(chunks).recompute_granularity,
             "wall_s": wall,
             "params_rank0": num_parameters(chunks),
+            "trainable_rank0": sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad),
             "tokens_per_step": par.global_batch_size * seq * step.sequences_per_sample,
         }
     finally:

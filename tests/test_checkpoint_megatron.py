@@ -189,7 +189,7 @@ def snapshot(chunks: list, optimizer: Any) -> dict[str, Any]:
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from pipeline.config import ModelConfig, ParallelConfig, TrainStage
+    from pipeline.config import ModelConfig, ParallelConfig, PeftConfig, TrainStage
     from stages.engine import checkpoint, optim_fix
     from stages.engine import distributed as D
     from stages.engine.model import build_model
@@ -220,8 +220,14 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             torch.save(snapshot(chunks, optimizer), dump / f"save{step}.rank{D.rank()}.pt")
             return self.last_saved
 
+    peft = PeftConfig(**spec["peft"]) if spec.get("peft") else None
     try:
-        chunks = build_model(model_cfg, par, 256)
+        chunks = build_model(model_cfg, par, 256, peft)
+        if spec.get("base_only"):  # write the initial weights as a checkpoint (a LoRA run's init_from)
+            checkpoint.save(
+                Path(spec["root"]), 0, model_chunks=chunks, optimizer=None, scheduler=None, state={}
+            )
+            return {}
         optimizer, scheduler = build_optimizer(chunks, stage, par)
         source = SyntheticSource(64, 256, model_cfg.seq_length, seed=1)
         trainer = Trainer(
@@ -234,6 +240,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             train_source=source,
             checkpointer=DumpingCheckpointer(Path(spec["root"]), stage.save_interval, spec.get("init_from")),
         )
+        trainer.checkpointer.peft = peft  # type: ignore[union-attr]
         t0 = time.monotonic()
         trainer.restore()
         if trainer.iteration or spec.get("init_from"):
@@ -241,7 +248,13 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             torch.save(snapshot(chunks, optimizer), dump / f"loaded.rank{D.rank()}.pt")
         resumed_from = trainer.iteration
         trainer.fit()
+        frozen = [p for c in chunks for p in c.parameters() if not p.requires_grad]
         return {
+            "frozen": len(frozen),
+            "frozen_with_grads": sum(
+                1 for p in frozen if p.grad is not None or getattr(p, "main_grad", None) is not None
+            ),
+            "optimized": sum(len(g["params"]) for g in optimizer.param_groups),
             "history": trainer.history,
             "resumed_from": resumed_from,
             "optim_fix": optim_fix.applied(),

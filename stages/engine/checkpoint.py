@@ -733,7 +733,9 @@ def load(
     optim_fix.apply()
     start = time.monotonic()
     loaded = _dist_load(_sharded_state_dict(model_chunks, optimizer, is_loading=True, models=models), path)
-    _load_model(model_chunks, loaded, path)
+    from stages.engine.lora import has_lora
+
+    _load_model(model_chunks, loaded, path, strict=not has_lora(model_chunks))  # LoRA: adapters only
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     common = loaded[_COMMON_KEY]
@@ -752,12 +754,21 @@ def load(
 
 
 def load_weights(path: Path, model_chunks: list) -> None:
-    """Load only the model weights of checkpoint ``path`` (``init_from``: fresh optimizer and schedule)."""
+    """Load only the model weights of checkpoint ``path`` (``init_from``: fresh optimizer and schedule).
+
+    A LoRA stage's checkpoint (adapters only) loads as its base weights (recorded in it) with the adapters
+    merged in (stages/engine/lora.py). Into a model with adapters, only the base weights are loaded.
+    """
     path = Path(path)
     _require_committed(path)
-    _load_model(
-        model_chunks, _dist_load(_sharded_state_dict(model_chunks, None, is_loading=True), path), path
-    )
+    from stages.engine import lora
+
+    rec = lora.checkpoint_record(path)
+    if rec is not None:
+        lora.load_merged(path, model_chunks, rec)
+        return
+    sharded = _sharded_state_dict(model_chunks, None, is_loading=True, part="base")
+    _load_model(model_chunks, _dist_load(sharded, path), path, strict=not lora.has_lora(model_chunks))
 
 
 def _dist_load(sharded: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -776,7 +787,9 @@ def _require_committed(path: Path) -> None:
     check_loads_without_code(path)
 
 
-def _load_model(model_chunks: list, loaded: dict, path: Path, name: str | None = None) -> None:
+def _load_model(
+    model_chunks: list, loaded: dict, path: Path, name: str | None = None, strict: bool = True
+) -> None:
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(list(model_chunks))
@@ -787,9 +800,11 @@ def _load_model(model_chunks: list, loaded: dict, path: Path, name: str | None =
             state = loaded[key]
             if prefix:
                 state = {k.removeprefix(prefix): v for k, v in state.items()}
-            chunk.load_state_dict(state, strict=True)
+            missing, unexpected = chunk.load_state_dict(state, strict=strict)
         except (KeyError, RuntimeError) as e:
             raise CheckpointError(f"{path}: model chunk {key!r} does not load: {e}") from e
+        if unexpected:  # not strict (a LoRA model: base or adapters only); every requested key was loaded
+            raise CheckpointError(f"{path}: model chunk {key!r}: unexpected keys {unexpected[:5]}")
 
 
 def _load_scheduler(scheduler: Any, common: dict, path: Path) -> None:
@@ -823,30 +838,41 @@ def _sharded_state_dict(
     *,
     is_loading: bool,
     models: dict[str, tuple[list, Any, Any]] | None = None,
+    part: str = "state",
 ) -> dict[str, Any]:
-    sharded = _model_part(model_chunks, optimizer, is_loading, "")
+    """The sharded state of the main model (``part``: state, what a checkpoint of it holds: everything, or
+    the adapters only for a LoRA model, whose base weights come from its init_from; or base, the weights
+    without adapters) and of each named trained model (``models``, their state)."""
+    sharded = _model_part(model_chunks, optimizer, is_loading, "", part)
     for name, (chunks, opt, _) in (models or {}).items():
         if not name or "." in name or name in ("model", "optimizer", _COMMON_KEY):
             raise CheckpointError(f"model name {name!r}: a plain name without dots, not model/optimizer")
-        sharded.update(_model_part(chunks, opt, is_loading, name))
+        sharded.update(_model_part(chunks, opt, is_loading, name, "state"))
     return sharded
 
 
-def _model_part(model_chunks: list, optimizer: Any, is_loading: bool, name: str) -> dict[str, Any]:
+def _model_part(
+    model_chunks: list, optimizer: Any, is_loading: bool, name: str, part: str = "state"
+) -> dict[str, Any]:
     """One model's part: ``[<name>.]model[i]`` (tensor keys prefixed ``<name>.``) and its optimizer."""
     from megatron.core.utils import unwrap_model
 
+    from stages.engine.lora import has_lora, is_adapter_key
+
     chunks = unwrap_model(list(model_chunks))
     prefix = f"{name}." if name else ""
-    part: dict[str, Any] = {
+    sharded: dict[str, Any] = {
         prefix + _model_key(i, len(chunks)): c.sharded_state_dict(prefix=prefix) for i, c in enumerate(chunks)
     }
+    if has_lora(chunks):
+        keep = (lambda k: is_adapter_key(k)) if part == "state" else (lambda k: not is_adapter_key(k))
+        sharded = {m: {k: v for k, v in sd.items() if keep(k)} for m, sd in sharded.items()}
     if optimizer is not None:
         metadata = _DISTOPT_METADATA if _is_distributed_optimizer(optimizer) else None
-        part[prefix + "optimizer"] = optimizer.sharded_state_dict(
-            part, is_loading=is_loading, metadata=metadata
+        sharded[prefix + "optimizer"] = optimizer.sharded_state_dict(
+            sharded, is_loading=is_loading, metadata=metadata
         )
-    return part
+    return sharded
 
 
 def _is_distributed_optimizer(optimizer: Any) -> bool:

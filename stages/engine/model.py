@@ -148,12 +148,14 @@ def _set_core_attention(spec: Any, backend: str) -> None:
 
 
 def build_model(
-    model: ModelConfig, par: ParallelConfig, vocab_size: int, trainable: bool = True
+    model: ModelConfig, par: ParallelConfig, vocab_size: int, trainable: bool = True, peft: Any = None
 ) -> list[Any]:
     """This rank's model chunks (len = vpp or 1), in DDP, ready for get_megatron_optimizer.
 
     ``vocab_size`` is the tokenizer's (or model.vocab_size); it is padded here. ``trainable=False``: a
     frozen model (an RL reference): no DDP wrapper and no gradient buffers, gradients off, eval mode.
+    ``peft`` (a PeftConfig with method=lora): LoRA adapters on the targeted linears, every other weight frozen
+    (stages/engine/lora.py).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -171,6 +173,10 @@ def build_model(
     for i in range(chunks):
         module = _gpt(model, config, vocab, i if chunks > 1 else None)
         init_by_global_name(module, config, D.base_seed(), D.tp_rank(), par.tp)  # same weights at any layout
+        if peft is not None and peft.method == "lora":
+            from stages.engine.lora import apply_lora
+
+            apply_lora(module, peft, D.base_seed(), D.tp_rank(), par.tp)  # before DDP: it sees only adapters
         module.to(D.device())
         if par.precision != "fp32":
             module = Float16Module(config, module)

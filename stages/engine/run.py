@@ -138,13 +138,14 @@ def train_stage(
     callbacks = None
     try:
         tokenizer = load_tokenizer(data_dir(ctx) / "tokenizer.json")
-        chunks = build_model(cfg.model, par, tokenizer.vocab_size)
+        chunks = build_model(cfg.model, par, tokenizer.vocab_size, st.peft)
         started["model"] = time.time()
         optimizer, scheduler = build_optimizer(chunks, st, par)
         ckpt = Checkpointer(
             ctx.checkpoint_dir, st.save_interval, resolve_init_from(cfg, ctx), st.keep_last, st.async_save
         )
         ckpt.keep_incomplete = st.keep_incomplete
+        ckpt.peft = st.peft if st.peft.method == "lora" else None
         seq_length = st.seq_length or cfg.model.seq_length
         train_unit = None
         if unit is not None:

@@ -126,6 +126,10 @@ class Checkpointer:
         """Consecutive failed saves that stop the run."""
         self.keep_incomplete = 1
         """Temp dirs of crashed saves kept (newest first); older ones are deleted at resume and after saves."""
+        self.peft: Any = None
+        """A PeftConfig with method=lora: checkpoints hold the adapters only, the base comes from init_from."""
+        self.base_loaded: Path | None = None
+        """The base weights loaded from init_from (recorded in a LoRA stage's checkpoints)."""
 
     def restore(
         self,
@@ -144,6 +148,8 @@ class Checkpointer:
         checkpoint.prune_incomplete(self.root, self.keep_incomplete)
         latest = checkpoint.find_latest(self.root)
         if latest is not None:
+            if self.peft is not None:  # a LoRA checkpoint holds the adapters: the base comes from init_from
+                self.load_init_weights(chunks)
             return dict(
                 checkpoint.load(
                     latest,
@@ -170,6 +176,7 @@ class Checkpointer:
             from stages.engine.convert.hf import load_hf
 
             load_hf(chunks, self.init_from, model_config(self.init_from))
+            self.base_loaded = self.init_from
             return self.init_from
         path = (
             self.init_from
@@ -179,6 +186,7 @@ class Checkpointer:
         if path is None:
             raise ValueError(f"init_from={self.init_from}: no complete checkpoint there")
         checkpoint.load_weights(path, chunks)
+        self.base_loaded = path
         return path
 
     def maybe_save(
@@ -242,6 +250,10 @@ class Checkpointer:
         from stages.engine import checkpoint
 
         t0 = time.time()
+        if self.peft is not None:
+            from stages.engine.lora import PEFT_STATE_KEY, record
+
+            state = {**state, PEFT_STATE_KEY: record(self.peft, self.base_loaded)}
         self.last_saved = checkpoint.save(
             self.root,
             step,

@@ -18,6 +18,7 @@ only when the difference is within tolerance; otherwise ExportError and nothing 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import secrets
@@ -216,6 +217,46 @@ def iter_checkpoint_tensors(checkpoint: Path, model: ModelConfig) -> Iterator[tu
             yield key, read(key, None)
 
 
+def weight_stream(checkpoint: Path, model: ModelConfig) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    """(stream of (global megatron name, full tensor), its padded vocabulary) of a committed checkpoint.
+
+    A LoRA checkpoint (adapters only) streams its recorded base (a Hugging Face directory or a checkpoint,
+    itself maybe LoRA) with ``scale * B @ A`` added to each adapted weight, as the engine merges them.
+    """
+    from stages.engine import lora
+
+    rec = lora.checkpoint_record(Path(checkpoint))
+    if rec is None:
+        return iter_checkpoint_tensors(checkpoint, model), padded_vocab(checkpoint_tensors(checkpoint))
+    if not rec.get("base"):
+        raise ExportError(f"{checkpoint}: a LoRA checkpoint without a recorded base")
+    base, padded = _base_stream(str(rec["base"]), model)
+    deltas = lora.full_deltas(Path(checkpoint), rec)
+
+    def merged() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in base:
+            delta = deltas.pop(name, None)
+            yield name, tensor if delta is None else tensor + delta.to(tensor.dtype)
+        if deltas:
+            raise ExportError(f"{checkpoint}: adapters without a base weight: {sorted(deltas)[:3]}")
+
+    return merged(), padded
+
+
+def _base_stream(base: str, model: ModelConfig) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    from pipeline.hf_arch import is_hf_dir, parse_ref
+    from stages.engine import checkpoint as ck
+    from stages.engine.convert.hf import iter_hf_tensors
+
+    path = parse_ref(base) or Path(base)
+    if is_hf_dir(path):
+        return iter_hf_tensors(path, model), int(model.vocab_size or 0)
+    found = path if (path / ck.MARKER).is_file() else ck.find_latest(path, collective=False)
+    if found is None:
+        raise ExportError(f"LoRA base {base}: no complete checkpoint there")
+    return weight_stream(found, model)
+
+
 def padded_vocab(checkpoint_meta: dict[str, Any]) -> int:
     return int(checkpoint_meta["embedding.word_embeddings.weight"].size[0])
 
@@ -286,9 +327,10 @@ def export(
     try:
         _require_committed(Path(checkpoint))
         torch.set_num_threads(threads)
-        meta = checkpoint_tensors(checkpoint)
-        dtype = meta["embedding.word_embeddings.weight"].properties.dtype
-        stream = to_hf_tensors(iter_checkpoint_tensors(checkpoint, model), model, padded_vocab(meta))
+        weights, padded = weight_stream(Path(checkpoint), model)
+        first = next(weights)  # the embedding: its dtype is the export's
+        dtype = first[1].dtype
+        stream = to_hf_tensors(itertools.chain([first], weights), model, padded)
         shards = write_shards(stream, tmp, max_shard_bytes)
         tok = _tokenizer_files(Path(tokenizer_dir), tmp)
         eos, pad, bos = tok["ids"]["eos"], tok["ids"]["pad"], tok["ids"]["bos"]

@@ -228,6 +228,22 @@ def to_hf_tensors(
             yield hf_name, t.contiguous()
 
 
+def iter_hf_tensors(hf_dir: Path, model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(global megatron name, full TP=1 tensor, vocabulary unpadded) of a Hugging Face directory, layer by
+    layer, one tensor in memory at a time; entries the directory does not hold (a Llama's qkv bias, the
+    lm_head of tied embeddings) are skipped."""
+    reader = ShardReader(hf_dir)
+    s = Shapes.of(model, model.vocab_size or 0)
+    outer = [e for e in TABLE if L not in e[0]]
+    per_layer = [e for e in TABLE if L in e[0]]
+    plan = [(outer[0], None)] + [(e, i) for i in range(model.num_layers) for e in per_layer]
+    for (name, hf_names, kind), layer in plan + [(e, None) for e in outer[1:]]:
+        key = str(layer)
+        names = tuple(h.replace(L, key) for h in hf_names)
+        if all(h in reader for h in names):
+            yield name.replace(L, key), _import(kind, [reader.slice(h) for h in names], s)
+
+
 # ---------------------------------------------------------------------------- loading into the engine's model
 
 
@@ -259,6 +275,8 @@ def load_hf(chunks: list[Any], hf_dir: Path, model: ModelConfig) -> int:
         with torch.no_grad():
             for local_name, param in gpt.named_parameters():
                 name = _global_name(gpt, local_name)
+                if name.endswith((".lora_a", ".lora_b")):
+                    continue  # LoRA adapters (stages/engine/lora.py) start from their own init
                 hf_names, kind, _ = match(name)
                 if name == "output_layer.weight" and (model.tie_embeddings or hf_names[0] not in reader):
                     if not model.tie_embeddings:
