@@ -52,7 +52,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     peft = PeftConfig(method="lora", rank=spec["rank"]) if spec["mode"] == "lora" else None
     D.init(1, 1, None, seed=stage.seed, threads=stage.threads)
     try:
-        chunks = build_model(model, par, VOCAB, peft)
+        chunks = build_model(model, par, VOCAB, peft=peft)
         optimizer, scheduler = build_optimizer(chunks, stage, par)
         source = SyntheticSource(8 * spec["steps"], VOCAB, model.seq_length, seed=1)
         trainer = Trainer(

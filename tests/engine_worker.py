@@ -131,7 +131,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         vocab = spec.get("vocab", 256)
         peft = PeftConfig(**spec["peft"]) if spec.get("peft") else None
-        chunks = build_model(model_cfg, par, vocab, peft)
+        chunks = build_model(model_cfg, par, vocab, peft=peft)
         if spec.get("load_weights"):
             _weights(chunks, spec["load_weights"], save=False)
         if spec.get("save_weights"):

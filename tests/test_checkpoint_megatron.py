@@ -222,7 +222,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     peft = PeftConfig(**spec["peft"]) if spec.get("peft") else None
     try:
-        chunks = build_model(model_cfg, par, 256, peft)
+        chunks = build_model(model_cfg, par, 256, peft=peft)
         if spec.get("base_only"):  # write the initial weights as a checkpoint (a LoRA run's init_from)
             checkpoint.save(
                 Path(spec["root"]), 0, model_chunks=chunks, optimizer=None, scheduler=None, state={}

@@ -148,7 +148,7 @@ def _set_core_attention(spec: Any, backend: str) -> None:
 
 
 def build_model(
-    model: ModelConfig, par: ParallelConfig, vocab_size: int, trainable: bool = True, peft: Any = None
+    model: ModelConfig, par: ParallelConfig, vocab_size: int, *, trainable: bool = True, peft: Any = None
 ) -> list[Any]:
     """This rank's model chunks (len = vpp or 1), in DDP, ready for get_megatron_optimizer.
 

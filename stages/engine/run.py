@@ -138,7 +138,7 @@ def train_stage(
     callbacks = None
     try:
         tokenizer = load_tokenizer(data_dir(ctx) / "tokenizer.json")
-        chunks = build_model(cfg.model, par, tokenizer.vocab_size, st.peft)
+        chunks = build_model(cfg.model, par, tokenizer.vocab_size, peft=st.peft)
         started["model"] = time.time()
         optimizer, scheduler = build_optimizer(chunks, st, par)
         ckpt = Checkpointer(
