@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from pipeline import config
+from pipeline import config, graph
 
 SECTIONS = (
     ("run", "RunConfig"),
@@ -16,10 +16,11 @@ SECTIONS = (
     ("data", "DataConfig"),
     ("data.sources[i]", "DataSource"),
     ("data_prep", "DataPrepStage"),
-    ("pretrain / sft / rlhf", "TrainStage"),
+    (" / ".join(graph.TRAIN_STAGES), "TrainStage"),
     ("<stage>.parallel", "ParallelConfig"),
     ("<train stage>.monitor", "MonitorConfig"),
     ("eval", "EvalStage"),
+    ("export", "ExportStage"),
     ("planner", "PlannerConfig"),
 )
 

@@ -28,7 +28,7 @@ from pipeline.config import (
     run_dir_for,
     stage_hashes,
 )
-from pipeline.graph import order, upstream
+from pipeline.graph import order, required
 
 Check = Callable[[PipelineConfig, str], None]
 CHECKS: dict[str, list[Check]] = {}
@@ -107,7 +107,7 @@ def _upstream_outputs(cfg: PipelineConfig, stage: str) -> None:
     """An upstream stage left out of run.stages must be completed, with this config, in the run directory."""
     from pipeline.ledger import COMPLETED, Ledger
 
-    missing = [u for u in upstream(stage) if u not in cfg.run.stages]
+    missing = [u for u in required(stage, cfg) if u not in cfg.run.stages]
     if not missing:
         return
     ledger, hashes = Ledger(run_dir_for(cfg)), stage_hashes(cfg)
@@ -287,7 +287,7 @@ _SPECIAL_TOKENS = {"<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>"}
 """stages.engine.data.SPECIAL_TOKENS' values (a test keeps them equal): data prep adds missing ones."""
 
 
-@reads("sft", "rlhf")
+@reads("sft", "reward_model", "rlhf")
 def _examples(cfg: PipelineConfig, stage: str) -> None:
     """Generated SFT examples and preference pairs fill at least one global batch."""
     have, key = (

@@ -700,13 +700,20 @@ def load(path: Path, *, model_chunks: list, optimizer: Any = None, scheduler: An
     return {**common["state"], "iteration": common["iteration"], "torch_threads": common["torch_threads"]}
 
 
-def load_weights(path: Path, model_chunks: list) -> None:
-    """Load only the model weights of checkpoint ``path`` (``init_from``: fresh optimizer and schedule)."""
+def load_weights(path: Path, model_chunks: list, *, fresh: tuple[str, ...] = ()) -> None:
+    """Load only the model weights of checkpoint ``path`` (``init_from``: fresh optimizer and schedule).
+
+    ``fresh``: name prefixes of parameters the checkpoint does not hold, kept as initialised (the reward
+    model's head on an SFT checkpoint); every other parameter must load."""
     path = Path(path)
     _require_committed(path)
-    _load_model(
-        model_chunks, _dist_load(_sharded_state_dict(model_chunks, None, is_loading=True), path), path
-    )
+    sharded = _sharded_state_dict(model_chunks, None, is_loading=True)
+    if fresh:
+        sharded = {
+            k: {n: v for n, v in sd.items() if not n.startswith(fresh)} if k.startswith("model") else sd
+            for k, sd in sharded.items()
+        }
+    _load_model(model_chunks, _dist_load(sharded, path), path, fresh)
 
 
 def _dist_load(sharded: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -725,14 +732,20 @@ def _require_committed(path: Path) -> None:
     check_loads_without_code(path)
 
 
-def _load_model(model_chunks: list, loaded: dict, path: Path) -> None:
+def _load_model(model_chunks: list, loaded: dict, path: Path, fresh: tuple[str, ...] = ()) -> None:
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(list(model_chunks))
     for i, chunk in enumerate(chunks):
         key = _model_key(i, len(chunks))
         try:
-            chunk.load_state_dict(loaded[key], strict=True)
+            if not fresh:
+                chunk.load_state_dict(loaded[key], strict=True)
+                continue
+            result = chunk.load_state_dict(loaded[key], strict=False)
+            bad = [n for n in result.missing_keys if not n.startswith(fresh)] + list(result.unexpected_keys)
+            if bad:
+                raise RuntimeError(f"missing or unexpected keys {bad[:5]}")
         except (KeyError, RuntimeError) as e:
             raise CheckpointError(f"{path}: model chunk {key!r} does not load: {e}") from e
 

@@ -147,10 +147,11 @@ def _set_core_attention(spec: Any, backend: str) -> None:
     spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend)
 
 
-def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> list[Any]:
+def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int, customize: Any = None) -> list[Any]:
     """This rank's model chunks (len = vpp or 1), in DDP, ready for get_megatron_optimizer.
 
-    ``vocab_size`` is the tokenizer's (or model.vocab_size); it is padded here.
+    ``vocab_size`` is the tokenizer's (or model.vocab_size); it is padded here. ``customize(gpt)``: adds
+    modules to each GPTModel before its weights are drawn and it is wrapped (the reward model's head).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -167,6 +168,8 @@ def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> lis
     wrapped = []
     for i in range(chunks):
         module = _gpt(model, config, vocab, i if chunks > 1 else None)
+        if customize is not None:
+            module = customize(module)
         init_by_global_name(module, config, D.base_seed(), D.tp_rank(), par.tp)  # same weights at any layout
         module.to(D.device())
         if par.precision != "fp32":

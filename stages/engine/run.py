@@ -103,7 +103,7 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
     callbacks = None
     try:
         tokenizer = load_tokenizer(data_dir(ctx) / "tokenizer.json")
-        chunks = build_model(cfg.model, par, tokenizer.vocab_size)
+        chunks = build_model(cfg.model, par, tokenizer.vocab_size, getattr(step, "customize_model", None))
         started["model"] = time.time()
         optimizer, scheduler = build_optimizer(chunks, st, par)
         ckpt = Checkpointer(
