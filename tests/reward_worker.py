@@ -36,7 +36,15 @@ class SeparablePairs:
                 mask = np.zeros(SEQ, np.float32)
                 n_ = len(ids) - 1
                 tokens[:n_], labels[:n_], mask[:n_] = ids[:-1], ids[1:], loss[1:]
-                rows.append({"tokens": tokens, "labels": labels, "loss_mask": mask, "prompt": prompt, "resp": [*body, last, 1]})
+                rows.append(
+                    {
+                        "tokens": tokens,
+                        "labels": labels,
+                        "loss_mask": mask,
+                        "prompt": prompt,
+                        "resp": [*body, last, 1],
+                    }
+                )
             self.items.append(rows)
 
     def __len__(self) -> int:
@@ -44,7 +52,10 @@ class SeparablePairs:
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         rows = self.items[int(i) % len(self.items)]
-        return {k: np.stack([r[k] for r in rows]).astype(np.int64 if k != "loss_mask" else np.float32) for k in ("tokens", "labels", "loss_mask")}
+        return {
+            k: np.stack([r[k] for r in rows]).astype(np.int64 if k != "loss_mask" else np.float32)
+            for k in ("tokens", "labels", "loss_mask")
+        }
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +70,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ)
     par = ParallelConfig(**{"micro_batch_size": 4, "global_batch_size": 8, **spec.get("parallel", {})})
     stage = TrainStage(
-        parallel=par, iters=spec.get("iters", 40), lr=3e-3, min_lr=3e-4, warmup_iters=0, log_interval=1, threads=1
+        parallel=par,
+        iters=spec.get("iters", 40),
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_iters=0,
+        log_interval=1,
+        threads=1,
     )
     D.init(par.tp, par.pp, par.vpp, seed=stage.seed, threads=1)
     try:
@@ -68,7 +85,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         chunks = build(model_cfg, par, VOCAB)
         if spec.get("init"):  # a plain GPT checkpoint (like SFT's) loads into the reward model, head fresh
             plain = build_model(model_cfg, par, VOCAB)
-            checkpoint.save(Path(spec["init"]), 0, model_chunks=plain, optimizer=None, scheduler=None, state={})
+            checkpoint.save(
+                Path(spec["init"]), 0, model_chunks=plain, optimizer=None, scheduler=None, state={}
+            )
             checkpoint.load_weights(checkpoint.find_latest(Path(spec["init"])), chunks, fresh=(HEAD,))
             out["init_loaded"] = True
         optimizer, scheduler = build_optimizer(chunks, stage, par)
@@ -89,7 +108,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         held = SeparablePairs(24, seed=3)
         prompts = [r["prompt"] for rows in held.items for r in rows]
         resps = [r["resp"] for rows in held.items for r in rows]
-        rm = RewardModel(Path(spec["ckpt"]), model_cfg, par, VOCAB, pad_id=PAD, eod_id=1, seq_length=SEQ, batch_size=5)
+        rm = RewardModel(
+            Path(spec["ckpt"]), model_cfg, par, VOCAB, pad_id=PAD, eod_id=1, seq_length=SEQ, batch_size=5
+        )
         scores = rm(prompts, resps)
         out["scores"] = scores.tolist()
         out["dtype"] = str(scores.dtype)

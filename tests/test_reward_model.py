@@ -67,7 +67,65 @@ def test_reward_model_learns_separable_pairs_and_scores_held_out(tmp_path: Path)
 @pytest.mark.timeout(900)
 def test_reward_model_tp2_equals_tp1(tmp_path: Path) -> None:
     one = launch(1, {"iters": 3, "ckpt": str(tmp_path / "c1")}, tmp_path / "tp1", script=WORKER)
-    two = launch(2, {"iters": 3, "ckpt": str(tmp_path / "c2"), "parallel": {"tp": 2}}, tmp_path / "tp2", script=WORKER)
+    two = launch(
+        2, {"iters": 3, "ckpt": str(tmp_path / "c2"), "parallel": {"tp": 2}}, tmp_path / "tp2", script=WORKER
+    )
     for a, b in zip(one["history"], two["history"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     assert one["scores"] == pytest.approx(two["scores"], rel=1e-4, abs=1e-5)
+
+
+LLAMA = (
+    "model.normalization=RMSNorm",
+    "model.activation=swiglu",
+    "model.position_embedding=rope",
+    "model.add_bias_linear=false",
+    "model.vocab_size=512",  # export needs it set (the tiny tokenizer has 512)
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_reward_model_and_export_stages_through_the_cli(tmp_path: Path) -> None:
+    """The opt-in stages in the graph: reward_model (from SFT, eval scores it on the held-out pairs) and export
+    (the last step: a verified Hugging Face directory, recorded in the ledger)."""
+    import json
+    import subprocess
+
+    from pipeline.ledger import Ledger
+
+    stages = "[data_prep,pretrain,sft,reward_model,eval,export]"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "experiment=tiny",
+            "cluster=debug",
+            f"run.root={tmp_path}",
+            f"run.stages={stages}",
+            "eval.models=[sft]",
+            *LLAMA,
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_dir = next(Path(tmp_path).glob("tiny-*"))
+    ledger = Ledger(run_dir)
+    rm = ledger.read("reward_model")
+    assert rm and rm.status == "completed" and rm.outputs["init_from"].endswith("sft/checkpoints")
+    lines = [json.loads(x) for x in (run_dir / "stages/reward_model/metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if x["kind"] == "train"]
+    assert train and {"loss", "accuracy", "margin"} <= set(train[-1])
+    assert any(x["kind"] == "valid" and "accuracy" in x for x in lines)
+    results = json.loads((run_dir / "stages/eval/results.json").read_text())
+    assert 0.0 <= results["reward_model"]["pref_accuracy"] <= 1.0 and results["reward_model"]["pairs"] > 0
+    assert "reward_model" in r.stdout  # the eval table's row
+    exp = ledger.read("export")
+    assert exp and exp.status == "completed" and exp.outputs["stage"] == "sft"
+    assert exp.outputs["check"]["passed"] is True
+    assert (Path(exp.outputs["out"]) / "config.json").is_file()
+    assert ledger.read("sft").extra["export"]["passed"] is True  # recorded on the exported stage too
