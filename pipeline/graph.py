@@ -46,7 +46,7 @@ class Stage:
 def _rlhf_reads(cfg: Any, ups: tuple[str, ...]) -> tuple[str, ...]:
     """rlhf reads the reward model only when its reward comes from it (``rlhf.reward: model | both``)."""
     base = _default_reads("rlhf", cfg, ups)
-    if getattr(cfg.rlhf, "reward", "verifier") in ("model", "both"):
+    if cfg.rlhf.algorithm != "dpo" and cfg.rlhf.reward in ("model", "both"):
         return (*base, "reward_model")
     return base
 
@@ -69,7 +69,7 @@ REGISTRY: tuple[Stage, ...] = (
     Stage(
         "reward_model", ("data_prep", "sft"), trains=True, lm=False, optional=True, section="RewardModelStage"
     ),
-    Stage("rlhf", ("data_prep", "sft", "reward_model"), trains=True, reads=_rlhf_reads),
+    Stage("rlhf", ("data_prep", "sft", "reward_model"), trains=True, section="RLHFStage", reads=_rlhf_reads),
     Stage(
         "eval",
         ("data_prep", "pretrain", "sft", "reward_model", "rlhf"),

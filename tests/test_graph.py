@@ -35,7 +35,11 @@ def test_optional_stages_are_read_only_when_used() -> None:
     cfg = PipelineConfig()
     assert required("rlhf", cfg) == ("data_prep", "sft")
     assert required("eval", cfg) == ("data_prep", "pretrain", "sft", "rlhf")
-    cfg.rlhf.reward = "model"  # type: ignore[attr-defined]  # the RL reward from the reward model
+    cfg.rlhf.reward = "model"  # the RL reward from the reward model: only online RL reads it
+    assert required("rlhf", cfg) == ("data_prep", "sft")
+    cfg.rlhf.algorithm = "grpo"
+    assert required("rlhf", cfg) == ("data_prep", "sft", "reward_model")
+    cfg.rlhf.reward = "both"
     assert required("rlhf", cfg) == ("data_prep", "sft", "reward_model")
     cfg = PipelineConfig()
     cfg.run.stages = [*graph.DEFAULT_STAGES, "reward_model"]
@@ -66,6 +70,8 @@ def test_opt_in_stage_needs_its_upstream(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"reward_model reads the output of sft"):
         load([f"run.root={tmp_path}", "run.stages=[data_prep,reward_model]", "experiment=tiny"])
+    with pytest.raises(ConfigError, match=r"rlhf reads the output of reward_model"):  # reward from the model
+        load([f"run.root={tmp_path}", "rlhf=grpo", "rlhf.reward=both", "experiment=tiny"])
     with pytest.raises(ConfigError, match=r"export\.stage='dpo'"):
         load([f"run.root={tmp_path}", "export.stage=dpo"])
 

@@ -87,14 +87,15 @@ LLAMA = (
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_reward_model_and_export_stages_through_the_cli(tmp_path: Path) -> None:
-    """The opt-in stages in the graph: reward_model (from SFT, eval scores it on the held-out pairs) and export
-    (the last step: a verified Hugging Face directory, recorded in the ledger)."""
+    """The opt-in stages in the graph: reward_model (from SFT, eval scores it on the held-out pairs), GRPO
+    rewarded by verifier + reward model (rlhf.reward=both), and export (the last step: a verified Hugging
+    Face directory of the rlhf model, recorded in the ledger)."""
     import json
     import subprocess
 
     from pipeline.ledger import Ledger
 
-    stages = "[data_prep,pretrain,sft,reward_model,eval,export]"
+    stages = "[data_prep,pretrain,sft,reward_model,rlhf,eval,export]"
     r = subprocess.run(
         [
             sys.executable,
@@ -105,6 +106,8 @@ def test_reward_model_and_export_stages_through_the_cli(tmp_path: Path) -> None:
             f"run.root={tmp_path}",
             f"run.stages={stages}",
             "eval.models=[sft]",
+            "rlhf=grpo",
+            "rlhf.reward=both",
             *LLAMA,
         ],
         cwd=Path(__file__).resolve().parents[1],
@@ -124,8 +127,10 @@ def test_reward_model_and_export_stages_through_the_cli(tmp_path: Path) -> None:
     results = json.loads((run_dir / "stages/eval/results.json").read_text())
     assert 0.0 <= results["reward_model"]["pref_accuracy"] <= 1.0 and results["reward_model"]["pairs"] > 0
     assert "reward_model" in r.stdout  # the eval table's row
+    rl = [json.loads(x) for x in (run_dir / "stages/rlhf/metrics.jsonl").read_text().splitlines()]
+    assert any(x["kind"] == "train" and "reward_mean" in x for x in rl)
     exp = ledger.read("export")
-    assert exp and exp.status == "completed" and exp.outputs["stage"] == "sft"
+    assert exp and exp.status == "completed" and exp.outputs["stage"] == "rlhf"
     assert exp.outputs["check"]["passed"] is True
     assert (Path(exp.outputs["out"]) / "config.json").is_file()
-    assert ledger.read("sft").extra["export"]["passed"] is True  # recorded on the exported stage too
+    assert ledger.read("rlhf").extra["export"]["passed"] is True  # recorded on the exported stage too

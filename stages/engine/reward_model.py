@@ -66,11 +66,11 @@ def bradley_terry(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return loss, (margin > 0).float().sum(), margin.sum()
 
 
-def build(model_cfg: Any, par: Any, vocab_size: int) -> list[Any]:
-    """This rank's reward-model chunks (the GPT with the head), DDP-wrapped like any training model."""
+def build(model_cfg: Any, par: Any, vocab_size: int, trainable: bool = True) -> list[Any]:
+    """This rank's reward-model chunks (the GPT with the head): DDP-wrapped like any training model, or frozen."""
     from stages.engine.model import build_model
 
-    return build_model(model_cfg, par, vocab_size, customize=attach_head)
+    return build_model(model_cfg, par, vocab_size, trainable=trainable, customize=attach_head)
 
 
 # ---------------------------------------------------------------------------- the frozen reward model
@@ -104,7 +104,7 @@ class RewardModel:
         if path is None:
             raise ValueError(f"reward model: no verified checkpoint under {root}")
         self.checkpoint = path
-        self.chunks = chunks if chunks is not None else build(model_cfg, par, vocab_size)
+        self.chunks = chunks if chunks is not None else build(model_cfg, par, vocab_size, trainable=False)
         checkpoint.load_weights(path, self.chunks)
         for c in self.chunks:
             c.eval()
