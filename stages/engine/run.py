@@ -180,7 +180,9 @@ def train_stage(
             meter=meter,
         )
         started["data"] = time.time()
-        trainer.restore()
+        trainer.restore(
+            init_weights=not getattr(ckpt, "init_weights_loaded", False)
+        )  # reward_model loaded its backbone
         started["restore"] = time.time()
         if D.is_rank0():
             metrics.write(startup_record(started))
