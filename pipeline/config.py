@@ -361,7 +361,7 @@ class DataConfig:
     pref_paths: list[str] = field(default_factory=list)
     """DPO data instead of the generated pairs: files/globs of {prompt, chosen, rejected}, each a string or a message list."""
     chat_template: str = "project"
-    """Renders sft_paths/pref_paths: project (<|user|>...<|assistant|>...<|endoftext|>), tokenizer (the chat_template of the HF tokenizer directory tokenizer_path) or a .jinja file."""
+    """Renders sft_paths/pref_paths: project (<|user|>...<|assistant|>...<|endoftext|>), tokenizer (the chat_template of the HF tokenizer directory tokenizer_path) or a .jinja file. Other than project, the generated task's SFT, preference and eval sets are rendered with it too. A run starting from hf:<dir> sets tokenizer when left at project and the directory has a chat template."""
     tokenizer_sample_mb: float = num(100.0, integer=False, gt=0)
     """corpus=sources: MB of documents (in source order) the BPE is trained on."""
     text_paths: list[str] = field(default_factory=list)

@@ -52,6 +52,16 @@ def _shakespeare() -> list[Path]:
     return sorted((Path(list(spec.submodule_search_locations)[0]) / "plays").glob("**/*.md"))
 
 
+TOKENIZER_DIR_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+"""What data_prep reads from a tokenizer (Hugging Face model) directory; its weights are not data."""
+
+
 def input_files(pc: Any) -> list[Path]:
     """Every file data_prep reads for this config, absolute, in a stable order (missing ones included)."""
     d = pc.data
@@ -68,7 +78,11 @@ def input_files(pc: Any) -> list[Path]:
         files += _expand(pat)
     if d.chat_template not in ("project", "tokenizer"):
         files += _expand(d.chat_template)
-    if d.tokenizer_path:
+    if d.tokenizer_path and Path(d.tokenizer_path).is_dir():  # a model directory: its tokenizer files only
+        files += [
+            Path(d.tokenizer_path) / f for f in TOKENIZER_DIR_FILES if (Path(d.tokenizer_path) / f).is_file()
+        ]
+    elif d.tokenizer_path:
         files += _expand(d.tokenizer_path)
     out: list[Path] = []
     for f in files:

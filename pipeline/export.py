@@ -66,9 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_dir = run_dir / "stages" / "data_prep"
         if not (tokenizer_dir / "tokenizer.json").is_file():
             raise ConfigError(f"run_dir: {tokenizer_dir}/tokenizer.json missing (data_prep did not complete)")
-        hf_src = cfg.data.tokenizer_path
-        if hf_src and (Path(hf_src) / "tokenizer_config.json").is_file():
-            tokenizer_dir = Path(hf_src)  # started from a Hugging Face model: its tokenizer files, unchanged
+        # data_prep's copy of the run's tokenizer: a Hugging Face model's files unchanged (tokenizer.json,
+        # tokenizer_config.json with its chat template), and the manifest's stop tokens
         out = (args.out or run_dir / "export" / stage).resolve()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

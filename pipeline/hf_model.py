@@ -8,14 +8,16 @@
   config error naming the field;
 - the architecture keys of ``model`` are taken from config.json; a key the user set (different from the
   default model group's value) to something else is a config error naming both values;
-- the run's tokenizer is the directory's (``data.tokenizer_path``), used as it is: it must hold the
-  pipeline's role tokens (a tokenizer that lacks them would need tokens appended) and fit the model's
-  vocabulary.
+- the run's tokenizer is the directory's (``data.tokenizer_path``), used as it is (no token appended): its
+  tokenizer_config.json names the eos token (else it must hold the pipeline's role tokens), it fits the
+  model's vocabulary, and the run's data is rendered with the directory's own chat template
+  (``data.chat_template=tokenizer``, unless the user chose a template file).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -95,12 +97,33 @@ def apply(pc: PipelineConfig) -> PipelineConfig:
             f"data.tokenizer_path={data.tokenizer_path!r}: a run starting from {value} uses that model's "
             "tokenizer; drop data.tokenizer_path"
         )
-    check_tokenizer(hf_dir, model, key, value)
+    if data.chat_template == "project" and _has_chat_template(hf_dir):
+        data = dataclasses.replace(data, chat_template="tokenizer")
+    check_tokenizer(hf_dir, model, key, value, needs_roles=data.chat_template == "project")
     return dataclasses.replace(pc, model=model, data=data)
 
 
-def check_tokenizer(hf_dir: Path, model: ModelConfig, key: str, value: str) -> int:
-    """The directory's tokenizer.json: loadable, holding the role tokens, within the model's vocabulary."""
+def _has_chat_template(hf_dir: Path) -> bool:
+    if (hf_dir / "chat_template.jinja").is_file():
+        return True
+    cfg = hf_dir / "tokenizer_config.json"
+    return cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template"))
+
+
+def _special_token(hf_dir: Path, name: str) -> str | None:
+    """``eos_token`` / ``pad_token`` of tokenizer_config.json (else special_tokens_map.json): str or {content}."""
+    for f in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (hf_dir / f).is_file():
+            v = json.loads((hf_dir / f).read_text()).get(name)
+            v = v.get("content") if isinstance(v, dict) else v
+            if isinstance(v, str) and v:
+                return v
+    return None
+
+
+def check_tokenizer(hf_dir: Path, model: ModelConfig, key: str, value: str, needs_roles: bool = False) -> int:
+    """The directory's tokenizer.json: loadable, its eos (and pad) token in its vocabulary, every id within
+    the model's vocabulary; with ``needs_roles`` (the project template) also the pipeline's role tokens."""
     from tokenizers import Tokenizer
 
     path = hf_dir / "tokenizer.json"
@@ -110,11 +133,20 @@ def check_tokenizer(hf_dir: Path, model: ModelConfig, key: str, value: str) -> i
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a plain Exception
         raise ConfigError(f"{key}={value!r}: {path}: not a tokenizers JSON: {e}") from None
+    eos = _special_token(hf_dir, "eos_token")
+    if eos is None:
+        needs_roles = True  # no eos named: the pipeline's own kind of tokenizer
+    for name, token in (("eos_token", eos), ("pad_token", _special_token(hf_dir, "pad_token"))):
+        if token is not None and tok.token_to_id(token) is None:
+            raise ConfigError(
+                f"{key}={value!r}: {hf_dir / 'tokenizer_config.json'}: {name}={token!r} is not in {path}"
+            )
     missing = [t for t in ROLE_TOKENS if tok.token_to_id(t) is None]
-    if missing:
+    if needs_roles and missing:
         raise ConfigError(
-            f"{key}={value!r}: {path} lacks the special tokens {missing}: data_prep would have to append them "
-            "to the published vocabulary"
+            f"{key}={value!r}: {hf_dir} has no chat_template (tokenizer_config.json) and {path} lacks the "
+            f"pipeline's role tokens {missing}: give data.chat_template=<template.jinja> (tokens are never "
+            "appended to a published vocabulary)"
         )
     size = tok.get_vocab_size(with_added_tokens=True)
     if model.vocab_size is not None and size > model.vocab_size:

@@ -107,7 +107,7 @@ def _upstream_outputs(cfg: PipelineConfig, stage: str) -> None:
     """An upstream stage left out of run.stages must be completed, with this config, in the run directory."""
     from pipeline.ledger import COMPLETED, Ledger
 
-    missing = [u for u in required(stage, cfg) if u not in cfg.run.stages]
+    missing = [u for u in required(stage, cfg) if u not in cfg.run.stages]  # hf: needs no pretrain
     if not missing:
         return
     ledger, hashes = Ledger(run_dir_for(cfg)), stage_hashes(cfg)
@@ -239,7 +239,7 @@ def _tokenizer(cfg: PipelineConfig, stage: str) -> None:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
             _fail(key, value, f"{path} is not a tokenizers JSON file ({e})")
-        vocab = tokenizer_vocab_size(data)
+        vocab = tokenizer_vocab_size(data, appends=not _names_eos(path.parent))
         if vocab is None:
             _fail(key, value, f"{path} has no model.vocab table (not a tokenizers JSON file)")
     m = cfg.model
@@ -247,7 +247,7 @@ def _tokenizer(cfg: PipelineConfig, stage: str) -> None:
         _fail(
             "model.vocab_size",
             m.vocab_size,
-            f"the tokenizer {path} has {vocab} tokens (with the pipeline's special tokens); "
+            f"the tokenizer {path} has {vocab} tokens (with any pipeline special token data prep appends); "
             f"set model.vocab_size >= {vocab} or null (the tokenizer's size)",
         )
 
@@ -263,8 +263,24 @@ def _sentencepiece_vocab_size(key: str, value: str, path: Path) -> int:
     return int(sp.get_piece_size()) + len(_SPECIAL_TOKENS - pieces)
 
 
-def tokenizer_vocab_size(data: Any) -> int | None:
-    """Tokens of a tokenizers JSON: its vocabulary, added tokens and the special tokens data prep adds."""
+def _names_eos(folder: Path) -> bool:
+    """A Hugging Face tokenizer directory naming its eos token: data prep uses it unchanged, appends nothing
+    (stages.engine.data.hf_special_tokens)."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            v = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            continue
+        if isinstance(v, dict):
+            v = v.get("content")
+        if isinstance(v, str) and v:
+            return True
+    return False
+
+
+def tokenizer_vocab_size(data: Any, appends: bool = True) -> int | None:
+    """Tokens of a tokenizers JSON: its vocabulary, added tokens and (``appends``) the special tokens data
+    prep adds."""
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
         return None
     vocab = data["model"].get("vocab")
@@ -279,7 +295,7 @@ def tokenizer_vocab_size(data: Any) -> int | None:
         if isinstance(t, dict) and "id" in t:
             ids.add(t["id"])
             tokens.add(t.get("content"))
-    from_special = len(_SPECIAL_TOKENS - tokens)
+    from_special = len(_SPECIAL_TOKENS - tokens) if appends else 0
     return (max(ids) + 1 if ids else 0) + from_special
 
 
@@ -326,6 +342,20 @@ def _init_from(cfg: PipelineConfig, stage: str) -> None:
     ckpt = checkpoint_dir(key, value)
     check_marker(key, value, ckpt)
     check_shape(key, value, ckpt, cfg)
+
+
+def _hf_init_from(cfg: PipelineConfig, stage: str, value: str) -> None:
+    """``hf:<dir>``: a Hugging Face model directory (its config.json was already read by pipeline.hf_model)."""
+    from pipeline.hf_arch import is_hf_dir, parse_ref
+
+    path = parse_ref(value)
+    if path is None or not is_hf_dir(path):
+        _fail(
+            f"{stage}.init_from", value, f"{path}: needs config.json and *.safetensors (a Hugging Face model)"
+        )
+
+
+INIT_FROM_SCHEMES["hf"] = _hf_init_from
 
 
 def checkpoint_dir(key: str, value: str) -> Path:

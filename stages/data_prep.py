@@ -54,7 +54,7 @@ from pipeline.fsio import atomic_write_bytes
 from pipeline.fsio import atomic_write_text as _atomic_write
 from stages import tasks
 from stages.context import StageContext
-from stages.engine.data import MANIFEST, SPECIAL_TOKENS, Tokenizer, sha256_file
+from stages.engine.data import MANIFEST, SPECIAL_TOKENS, Tokenizer, hf_special_tokens, sha256_file
 
 DOC_CHARS = 4000
 """Target size of a document cut from a .txt/.md file (paragraphs are packed up to this size)."""
@@ -98,8 +98,8 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     timings["read_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    tok_json = world.on_root(lambda: build_tokenizer(d, train_docs).to_str())
-    tokenizer = _tokenizer_from_str(tok_json)
+    tok_json = world.on_root(lambda: tokenizer_text(d, train_docs))
+    tokenizer = _tokenizer_from_str(tok_json, d)
     timings["tokenizer_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -126,8 +126,9 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         shutil.rmtree(scratch, ignore_errors=True)
         world.barrier()
     counts = write_task_files(out, d, held)
-    counts.update(write_chat_files(out, d))
     _atomic_write(out / "tokenizer.json", tok_json)
+    _copy_hf_tokenizer_files(d, out)
+    counts.update(write_chat_files(out, d, tokenizer))
     counts.update(
         documents_text=len(text_docs),
         documents_task=len(task_docs),
@@ -305,8 +306,43 @@ def train_tokenizer(docs: list[str], vocab_size: int) -> Any:
     return hf
 
 
+def hf_tokenizer_dir(d: DataConfig) -> Path | None:
+    """The directory of ``data.tokenizer_path`` when it is a Hugging Face tokenizer used unchanged (its
+    tokenizer_config.json names an eos token: stages.engine.data.hf_special_tokens), else None."""
+    if d.tokenizer_path is None:
+        return None
+    p = Path(d.tokenizer_path)
+    folder = p if p.is_dir() else p.parent
+    if p.suffix == ".model" or not (folder / "tokenizer.json").is_file():
+        return None
+    return folder if hf_special_tokens(folder) is not None else None
+
+
+HF_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+"""Copied next to tokenizer.json from a Hugging Face tokenizer directory (then listed in the manifest)."""
+
+
+def tokenizer_text(d: DataConfig, train_docs: list[str]) -> str:
+    """The run's tokenizer.json text: a Hugging Face tokenizer's file as it is (byte for byte), else
+    :func:`build_tokenizer`'s."""
+    folder = hf_tokenizer_dir(d)
+    if folder is not None:
+        return (folder / "tokenizer.json").read_text(encoding="utf-8")
+    return str(build_tokenizer(d, train_docs).to_str())
+
+
+def _copy_hf_tokenizer_files(d: DataConfig, out: Path) -> None:
+    folder = hf_tokenizer_dir(d)
+    for name in HF_TOKENIZER_FILES:
+        if folder is not None and (folder / name).is_file():
+            _atomic_write(out / name, (folder / name).read_text(encoding="utf-8"))
+        elif (out / name).is_file():
+            (out / name).unlink()
+
+
 def build_tokenizer(d: DataConfig, train_docs: list[str]) -> Any:
-    """Train one, or load ``data.tokenizer_path`` (adding any missing special token at the end)."""
+    """Train one, or load ``data.tokenizer_path``: a Hugging Face tokenizer directory (hf_tokenizer_dir) is
+    used unchanged; a bare tokenizer.json or SentencePiece model gets any missing special token appended."""
     if d.tokenizer_path is None:
         return train_tokenizer(train_docs, d.vocab_size)
     from tokenizers import AddedToken
@@ -320,7 +356,7 @@ def build_tokenizer(d: DataConfig, train_docs: list[str]) -> Any:
     except Exception as e:  # missing file or bad JSON: tokenizers raises a plain Exception
         raise ValueError(f"data.tokenizer_path={d.tokenizer_path!r}: cannot load {p}: {e}") from e
     missing = [tok for tok in SPECIAL_TOKENS.values() if hf.token_to_id(tok) is None]
-    if missing:
+    if missing and hf_tokenizer_dir(d) is None:
         warnings.warn(
             f"data.tokenizer_path: {p} lacks {missing}; adding them at the end of the vocabulary",
             stacklevel=2,
@@ -350,10 +386,12 @@ def sentencepiece_tokenizer(path: Path) -> Any:
     return hf
 
 
-def _tokenizer_from_str(text: str) -> Tokenizer:
+def _tokenizer_from_str(text: str, d: DataConfig | None = None) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
-    return Tokenizer(HFTokenizer.from_str(text))
+    folder = hf_tokenizer_dir(d) if d is not None else None
+    special = hf_special_tokens(folder) if folder is not None else None
+    return Tokenizer(HFTokenizer.from_str(text), source=str(folder or ""), special=special)
 
 
 def token_dtype(vocab_size: int) -> type[np.number]:
@@ -426,15 +464,18 @@ def write_manifest(
     names = ["tokenizer.json", "sft_train.jsonl", "pref_train.jsonl", "eval_task.jsonl", "eval_pref.jsonl"]
     text_files = text_files if text_files is not None else [f"text_{s}" for s in ("train", "valid")]
     names += [f"{t}{ext}" for t in text_files for ext in (".bin", ".idx")]
-    chat = {k: f for k, f in (("sft_file", SFT_CHAT), ("pref_file", PREF_CHAT)) if (out / f).is_file()}
-    names += list(chat.values())
+    chat = {k: f for k, f in CHAT_FILES.items() if (out / f).is_file()}
+    names += list(chat.values()) + [f for f in HF_TOKENIZER_FILES if (out / f).is_file()]
     manifest = {
         **(extra or {}),
         **chat,
+        "chat_template": d.chat_template,
+        "stop_token_ids": stop_token_ids(d, tokenizer),
         "format": 1,
         "vocab_size": tokenizer.vocab_size,
         "special_tokens": {
-            role: {"token": SPECIAL_TOKENS[role], "id": i} for role, i in tokenizer.special_ids.items()
+            role: {"token": tokenizer.special_tokens[role], "id": i}
+            for role, i in tokenizer.special_ids.items()
         },
         "token_dtype": np.dtype(dtype).name,
         "task": {"name": d.task, "max_operand": d.max_operand, "ops": list(tasks.TASKS[d.task])},
@@ -642,13 +683,13 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: _World) -> dict[str, 
 
     def tokenizer_json() -> str:
         if d.tokenizer_path is not None:
-            return str(build_tokenizer(d, []).to_str())
+            return tokenizer_text(d, [])
         sample = list(ds.sample_documents(units, d.sources, d, int(d.tokenizer_sample_mb * 1e6)))
         sample += task_documents(held, len(sample), d.task_mix_fraction, _rng(d.seed, _MIX))
         return str(build_tokenizer(d, sample).to_str())
 
     tok_json = world.on_root(tokenizer_json)
-    tokenizer = _tokenizer_from_str(tok_json)
+    tokenizer = _tokenizer_from_str(tok_json, d)
     dtype = token_dtype(tokenizer.vocab_size)
     timings["tokenizer_s"] = time.perf_counter() - t
 
@@ -774,8 +815,9 @@ def _merge_sources(
                 f"[data_prep] {name}: skipped {c['malformed']} malformed records, e.g. {c.get('examples', [])}"
             )
     counts = write_task_files(out, d, held)
-    counts.update(write_chat_files(out, d))
     _atomic_write(out / "tokenizer.json", tok_json)
+    _copy_hf_tokenizer_files(d, out)
+    counts.update(write_chat_files(out, d, tokenizer))
     counts.update(
         documents_train=train_docs + len(task_docs),
         documents_task=len(task_docs),
@@ -805,41 +847,100 @@ def _digest(obj: Any) -> str:
 
 SFT_CHAT = "sft_chat.jsonl"
 PREF_CHAT = "pref_chat.jsonl"
+EVAL_TASK_CHAT = "eval_task_chat.jsonl"
+EVAL_PREF_CHAT = "eval_pref_chat.jsonl"
+CHAT_FILES = {
+    "sft_file": SFT_CHAT,
+    "pref_file": PREF_CHAT,
+    "eval_task_file": EVAL_TASK_CHAT,
+    "eval_pref_file": EVAL_PREF_CHAT,
+}
+"""Manifest key -> rendered file; a key is present exactly when its file was written."""
 
 
-def write_chat_files(out: Path, d: DataConfig) -> dict[str, int]:
-    """Render ``data.sft_paths`` / ``data.pref_paths`` with ``data.chat_template`` (stages.engine.chat).
+def chat_template(d: DataConfig, tokenizer: Tokenizer) -> Any:
+    """``data.chat_template`` compiled, with the tokenizer's own eos/bos tokens as template variables."""
+    from stages.engine import chat
 
-    ``sft_chat.jsonl`` holds ``{"segments": [[text, trained], ...]}``, ``pref_chat.jsonl`` rendered
-    ``{"prompt", "chosen", "rejected"}``; the manifest names them (``sft_file``, ``pref_file``) and the SFT
-    and rlhf stages then train on them instead of the generated task sets (still written, for eval).
+    return chat.ChatTemplate(
+        chat.load_template(d.chat_template, d.tokenizer_path),
+        eos_token=tokenizer.special_tokens["eod"],
+        bos_token=tokenizer.special_tokens.get("bos", ""),
+    )
+
+
+def write_chat_files(out: Path, d: DataConfig, tokenizer: Tokenizer | None = None) -> dict[str, int]:
+    """Render chat data with ``data.chat_template`` (stages.engine.chat).
+
+    Users' ``data.sft_paths`` / ``data.pref_paths`` become ``sft_chat.jsonl`` (``{"segments": [[text,
+    trained], ...]}``) and ``pref_chat.jsonl`` (rendered ``{"prompt", "chosen", "rejected"}``). With a template
+    other than ``project`` (a run starting from a Hugging Face model: its own template) the generated task is
+    rendered with it as well: its SFT and preference sets (when the user gave none) and the held-out eval
+    sets, ``eval_task_chat.jsonl`` (``{"prompt": rendered up to the generation prompt, "answer"}``) and
+    ``eval_pref_chat.jsonl``. The manifest names them (``sft_file``, ``pref_file``, ``eval_task_file``,
+    ``eval_pref_file``); SFT, rlhf and eval then use them instead of the plain task files (still written).
     """
     from stages.engine import chat
 
-    counts: dict[str, int] = {}
-    for name, paths, render in (
-        (SFT_CHAT, d.sft_paths, chat.render_sft),
-        (PREF_CHAT, d.pref_paths, chat.render_preference),
-    ):
+    for name in CHAT_FILES.values():
         (out / name).unlink(missing_ok=True)
-        if not paths:
-            continue
+    counts: dict[str, int] = {}
+    generated = d.chat_template != "project"
+    jobs: list[tuple[str, list[Path], str, Any]] = []
+    for name, paths, own, render in (
+        (SFT_CHAT, d.sft_paths, "sft_train.jsonl", chat.render_sft),
+        (PREF_CHAT, d.pref_paths, "pref_train.jsonl", chat.render_preference),
+    ):
         key = "data.sft_paths" if name == SFT_CHAT else "data.pref_paths"
-        tpl = chat.ChatTemplate(chat.load_template(d.chat_template, d.tokenizer_path), SPECIAL_TOKENS["eod"])
+        if paths:
+            jobs.append((name, _expand_any(paths, key), key, render))
+        elif generated:
+            jobs.append((name, [out / own], own, render))
+    if generated:
+        jobs.append((EVAL_TASK_CHAT, [out / "eval_task.jsonl"], "eval_task.jsonl", _render_eval_task))
+        jobs.append((EVAL_PREF_CHAT, [out / "eval_pref.jsonl"], "eval_pref.jsonl", chat.render_preference))
+    if not jobs:
+        return counts
+    if tokenizer is None:
+        from stages.engine.data import load_tokenizer
+
+        tokenizer = load_tokenizer(out / "tokenizer.json")
+    tpl = chat_template(d, tokenizer)
+    for name, files, key, render in jobs:
         tmp = out / f".{name}.tmp"
         n = 0
         with open(tmp, "w", encoding="utf-8") as f:
-            for path in _expand_any(paths, key):
+            for path in files:
                 for where, rec in chat.iter_records(path):
                     f.write(json.dumps(render(rec, where, tpl)) + "\n")
                     n += 1
             f.flush()
             os.fsync(f.fileno())
         if not n:
-            raise ValueError(f"{key}: no records in {paths}")
+            raise ValueError(f"{key}: no records in {[str(p) for p in files]}")
         os.replace(tmp, out / name)
         counts[name.removesuffix(".jsonl")] = n
     return counts
+
+
+def _render_eval_task(rec: Any, where: str, tpl: Any) -> dict[str, Any]:
+    """A held-out task prompt rendered up to the generation prompt (what the model sees before answering)."""
+    messages = [{"role": "user", "content": rec["prompt"]}]
+    return {**rec, "prompt": tpl.render(messages, add_generation_prompt=True), "question": rec["prompt"]}
+
+
+def stop_token_ids(d: DataConfig, tokenizer: Tokenizer) -> list[int]:
+    """Tokens that end a generated answer: the eos token, plus the ``eos_token_id`` of a Hugging Face model's
+    generation_config.json next to its tokenizer (e.g. Llama 3's end-of-turn token)."""
+    ids = [tokenizer.eod]
+    folder = hf_tokenizer_dir(d)
+    gen = folder / "generation_config.json" if folder is not None else None
+    if gen is not None and gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        for i in value if isinstance(value, list) else [value]:
+            if isinstance(i, int) and i not in ids and 0 <= i < tokenizer.vocab_size:
+                ids.append(i)
+    return ids
 
 
 def _expand_any(patterns: list[str], key: str) -> list[Path]:

@@ -193,16 +193,27 @@ def _eval_hf(
 
 
 def _load_sets(data: Path, tok: Any, cfg: PipelineConfig) -> dict[str, Any]:
-    from stages.engine.data import preference_source, read_jsonl, valid_source
+    from stages.engine.data import preference_source, read_jsonl, read_manifest, valid_source
 
     ev, seq = cfg.eval, cfg.model.seq_length
     valid = valid_source(data / "text_valid", tok, seq, cfg.data.seed)  # None: no validation text
     n_valid = 0 if valid is None else min(len(valid), ev.perplexity_batches * ev.batch_size)
     valid_items = [valid[i] for i in range(n_valid)] if valid is not None else []
-    task = read_jsonl(data / "eval_task.jsonl", ("prompt", "answer"))[: ev.num_task_examples]
-    pref = preference_source(data / "eval_pref.jsonl", tok, seq, cfg.data.seed)
+    manifest = read_manifest(data, verify=False)
+    # a run on a Hugging Face tokenizer: held-out sets rendered with its chat template by data_prep
+    task_file = manifest.get("eval_task_file", "eval_task.jsonl")
+    task = read_jsonl(data / task_file, ("prompt", "answer"))[: ev.num_task_examples]
+    for r in task:
+        r["rendered"] = "eval_task_file" in manifest
+    if "eval_pref_file" in manifest:
+        from stages.engine.chat import chat_preference_source
+
+        pref = chat_preference_source(data / manifest["eval_pref_file"], tok, seq, cfg.data.seed)
+    else:
+        pref = preference_source(data / "eval_pref.jsonl", tok, seq, cfg.data.seed)
     pref_items = [pref[i] for i in range(len(pref))]
     return {
+        "stop_tokens": manifest.get("stop_token_ids"),
         "valid": valid_items,
         "valid_tokens": int(sum(x["loss_mask"].sum() for x in valid_items)),
         "task": task,
@@ -238,11 +249,17 @@ def evaluate(model: Any, tok: Any, sets: dict[str, Any], cfg: PipelineConfig) ->
         for i in range(0, len(sets["task"]), bs):
             recs = sets["task"][i : i + bs]
             outs = generate(
-                model, tok, [r["prompt"] for r in recs], cfg.eval.max_new_tokens, cfg.model.seq_length
+                model,
+                tok,
+                [r["prompt"] for r in recs],
+                cfg.eval.max_new_tokens,
+                cfg.model.seq_length,
+                rendered=bool(recs[0].get("rendered")),
+                stop_tokens=sets.get("stop_tokens"),
             )
             samples += [
                 {
-                    "prompt": r["prompt"],
+                    "prompt": r.get("question", r["prompt"]),
                     "answer": r["answer"],
                     "generated": o,
                     "correct": tasks.is_correct(o, r["answer"]),
@@ -280,16 +297,27 @@ def _nll(model: Any, tokens: Any, labels: Any) -> Any:
     return model(tokens, pos, None, labels=labels).float()
 
 
-def generate(model: Any, tok: Any, prompts: list[str], max_new_tokens: int, seq_length: int) -> list[str]:
-    """Greedy continuations of ``<|user|>{prompt}<|assistant|>`` up to eod (not included) or ``max_new_tokens``.
+def generate(
+    model: Any,
+    tok: Any,
+    prompts: list[str],
+    max_new_tokens: int,
+    seq_length: int,
+    rendered: bool = False,
+    stop_tokens: list[int] | None = None,
+) -> list[str]:
+    """Greedy continuations of ``<|user|>{prompt}<|assistant|>`` (``rendered``: of the prompt text as it is,
+    already rendered with the run's chat template) up to a stop token (default eod; not included) or
+    ``max_new_tokens``.
 
     Batched, with the KV cache, on the model's device: the engine's generator (stages/engine/generate.py).
     """
     from stages.engine.generate import SamplingParams
     from stages.engine.generate import generate as engine_generate
 
-    seqs = [tok.prompt_ids(p)[-(seq_length - max_new_tokens) :] for p in prompts]
-    params = SamplingParams(max_new_tokens=max_new_tokens, stop_tokens=(tok.eod,))
+    ids = [tok.encode(p) if rendered else tok.prompt_ids(p) for p in prompts]
+    seqs = [x[-(seq_length - max_new_tokens) :] for x in ids]
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_tokens=tuple(stop_tokens or (tok.eod,)))
     out = engine_generate([model], seqs, params, vocab_size=tok.vocab_size, pad_id=tok.pad)
     return [tok.decode(ids) for ids in out.tokens]
 

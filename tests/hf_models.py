@@ -1,6 +1,7 @@
 """Tiny random Hugging Face models for the conversion tests, built locally (no hub access).
 
-``llama3`` : Llama-3 style: GQA (4 heads, 2 KV heads), RMSNorm, SwiGLU, RoPE with llama3 scaling
+``tokenizer="llama3"``: a Llama-3-style tokenizer (its own special tokens and chat template, none of the
+pipeline's role tokens) instead of the pipeline-style one. ``llama3`` : Llama-3 style: GQA (4 heads, 2 KV heads), RMSNorm, SwiGLU, RoPE with llama3 scaling
 (factor 32), untied embeddings. ``qwen2``: Qwen2 style: query/key/value biases, tied embeddings, a
 vocabulary that TP=2 must pad. Both fp32, hidden 64, 2 layers.
 """
@@ -57,19 +58,77 @@ def make_tokenizer(out: Path, vocab_size: int = 320) -> int:
     return int(tok.get_vocab_size(with_added_tokens=True))
 
 
-def make(kind: str, out: Path, seed: int = 0, vocab_size: int | None = None) -> Path:
+LLAMA3_SPECIAL = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+"""A Llama-3-style chat template (header tokens, end-of-turn token), written for these tests."""
+
+
+def make_llama3_tokenizer(out: Path, vocab_size: int = 320) -> int:
+    """A Llama-3-style tokenizer: byte-level BPE whose special tokens are Llama 3's (no pipeline role token),
+    bos ``<|begin_of_text|>``, eos ``<|eot_id|>`` (end of turn), no pad token, and LLAMA3_TEMPLATE."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    text = [
+        f"What comes after {i}? {i + 1}. A user and an assistant talk about the river." for i in range(300)
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=LLAMA3_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
+    )
+    fast.chat_template = LLAMA3_TEMPLATE
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    return int(tok.get_vocab_size(with_added_tokens=True))
+
+
+def make(
+    kind: str, out: Path, seed: int = 0, vocab_size: int | None = None, tokenizer: str = "pipeline"
+) -> Path:
     """Save a random ``kind`` (llama3 | qwen2) model with its tokenizer to ``out`` (config.json, model.safetensors,
     tokenizer files). llama3: model vocabulary = the tokenizer's; qwen2: 3 more rows (as published Qwen2
     checkpoints have), an odd size that TP=2 pads."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tok_size = make_tokenizer(out)
+    tok_size = make_llama3_tokenizer(out) if tokenizer == "llama3" else make_tokenizer(out)
+    special: dict[str, Any] = {}
+    if tokenizer == "llama3":
+        from tokenizers import Tokenizer
+
+        t = Tokenizer.from_file(str(out / "tokenizer.json"))
+        special = {
+            "bos_token_id": t.token_to_id("<|begin_of_text|>"),
+            "eos_token_id": [t.token_to_id("<|end_of_text|>"), t.token_to_id("<|eot_id|>")],
+        }
     torch.manual_seed(seed)
     cls: Any
     if kind == "llama3":
         cfg: Any = LlamaConfig(
             **COMMON,
+            **special,
             vocab_size=vocab_size or tok_size,
             tie_word_embeddings=False,
             rope_theta=500000.0,
@@ -83,7 +142,9 @@ def make(kind: str, out: Path, seed: int = 0, vocab_size: int | None = None) -> 
         )
         cls = LlamaForCausalLM
     elif kind == "qwen2":
-        cfg = Qwen2Config(**COMMON, vocab_size=vocab_size or tok_size + 3, tie_word_embeddings=True)
+        cfg = Qwen2Config(
+            **COMMON, **special, vocab_size=vocab_size or tok_size + 3, tie_word_embeddings=True
+        )
         cls = Qwen2ForCausalLM
     else:
         raise ValueError(kind)

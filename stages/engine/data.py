@@ -54,25 +54,36 @@ MANIFEST = "manifest.json"
 
 
 class Tokenizer:
-    """A HF ``tokenizers`` byte-level BPE with the pipeline's special-token ids.
+    """A HF ``tokenizers`` tokenizer with the pipeline's special-token ids.
 
     Usable as megatron's dataset tokenizer (``vocab_size``, ``eod``, ``pad``, ``unique_identifiers``).
+    ``special`` maps roles to token strings: the pipeline's :data:`SPECIAL_TOKENS` by default (every role
+    required); a Hugging Face tokenizer used unchanged (:func:`hf_special_tokens`) has ``eod`` = its eos token,
+    ``pad`` = its pad token (else the eos token; pad positions never count) and no ``user``/``assistant``
+    tokens: its data is rendered with its chat template (stages.engine.chat), not with :meth:`prompt_ids`.
     """
 
-    def __init__(self, hf: Any, source: str = "") -> None:
+    def __init__(self, hf: Any, source: str = "", special: dict[str, str] | None = None) -> None:
         self.hf = hf
         self.source = source
+        roles = special or SPECIAL_TOKENS
         ids: dict[str, int] = {}
-        for role, token in SPECIAL_TOKENS.items():
+        for role, token in roles.items():
             tid = hf.token_to_id(token)
             if tid is None:
                 raise ValueError(f"tokenizer {source or '<in memory>'} lacks the special token {token!r}")
             ids[role] = tid
+        if special:  # a published tokenizer may still hold the pipeline's role tokens
+            for role in ("user", "assistant"):
+                tid = hf.token_to_id(SPECIAL_TOKENS[role])
+                if role not in ids and tid is not None:
+                    ids[role], roles = tid, {**roles, role: SPECIAL_TOKENS[role]}
+        self.special_tokens = dict(roles)
         self.special_ids = ids
         self.eod: int = ids["eod"]
         self.pad: int = ids["pad"]
-        self.user: int = ids["user"]
-        self.assistant: int = ids["assistant"]
+        self.user: int | None = ids.get("user")
+        self.assistant: int | None = ids.get("assistant")
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
         digest = hashlib.sha256(hf.to_str().encode()).hexdigest()[:16]
         self.unique_identifiers: OrderedDict[str, Any] = OrderedDict(
@@ -95,11 +106,49 @@ class Tokenizer:
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """``<|user|>{prompt}<|assistant|>``: what a model sees before it writes a response."""
+        if self.user is None or self.assistant is None:
+            raise ValueError(
+                f"tokenizer {self.source or '<in memory>'} has no <|user|>/<|assistant|> tokens: render "
+                "prompts with its chat template (data_prep's *_chat.jsonl files)"
+            )
         return [self.user, *self.encode(prompt), self.assistant]
 
 
+def _token_text(value: Any) -> str | None:
+    """A special token in tokenizer_config.json / special_tokens_map.json: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def hf_special_tokens(tokenizer_dir: str | Path) -> dict[str, str] | None:
+    """Roles of a Hugging Face tokenizer directory used unchanged: ``{"eod": eos, "pad": pad or eos}`` plus
+    ``bos`` when it has one (the pipeline's ``user``/``assistant`` tokens are looked up by Tokenizer).
+
+    None when the directory names no eos token (tokenizer_config.json, else special_tokens_map.json): then
+    the tokenizer is the pipeline's kind and must hold :data:`SPECIAL_TOKENS`.
+    """
+    d = Path(tokenizer_dir)
+    cfg: dict[str, Any] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        if (d / name).is_file():
+            data = json.loads((d / name).read_text())
+            cfg |= {k: v for k, v in data.items() if _token_text(v)}
+    eos = _token_text(cfg.get("eos_token"))
+    if eos is None:
+        return None
+    out = {"eod": eos, "pad": _token_text(cfg.get("pad_token")) or eos}
+    if _token_text(cfg.get("bos_token")):
+        out["bos"] = str(_token_text(cfg.get("bos_token")))
+    return out
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load ``tokenizer.json`` (a file, or a directory holding one)."""
+    """Load ``tokenizer.json`` (a file, or a directory holding one).
+
+    A ``tokenizer_config.json`` next to it naming an eos token makes it a Hugging Face tokenizer used
+    unchanged (:func:`hf_special_tokens`); otherwise the pipeline's role tokens are required.
+    """
     from tokenizers import Tokenizer as HFTokenizer
 
     p = Path(path)
@@ -111,7 +160,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         hf = HFTokenizer.from_file(str(p))
     except Exception as e:  # tokenizers raises its own Exception type
         raise ValueError(f"tokenizer file {p} is not a valid tokenizers JSON: {e}") from e
-    return Tokenizer(hf, source=str(p))
+    return Tokenizer(hf, source=str(p), special=hf_special_tokens(p.parent))
 
 
 def read_manifest(data_dir: str | Path, verify: bool = True) -> dict[str, Any]:

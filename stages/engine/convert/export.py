@@ -1,32 +1,39 @@
-"""Export a training checkpoint (any saved layout) to a Hugging Face directory, verified by logits.
+"""Export a training checkpoint (any saved layout) to a Hugging Face directory, streamed, verified by logits.
 
-``export(model, checkpoint, out, tokenizer_dir)`` loads the checkpoint's weights into a one-rank (TP=1,
-PP=1) megatron model (dist_checkpointing reshards whatever TP/PP/VPP/DP layout or distributed-optimizer
-setting saved it), converts it tensor by tensor with stages.engine.convert.hf's table into size-capped
-``model-XXXXX-of-YYYYY.safetensors`` shards with ``model.safetensors.index.json``, and writes config.json,
+``export(model, checkpoint, out, tokenizer_dir)`` streams the checkpoint's weights layer by layer
+(:func:`iter_checkpoint_tensors`: megatron's dist_checkpointing reads one tensor's global slice at a time,
+whatever TP/PP/VPP/DP layout or distributed-optimizer setting saved it), converts each with
+stages.engine.convert.hf's table and hands it to a :class:`ShardWriter`, which writes size-capped
+``model-XXXXX-of-YYYYY.safetensors`` shards as they fill, then ``model.safetensors.index.json``. Peak host
+memory of the writer: one tensor plus one shard being filled (``max_shard_bytes``). It also writes config.json,
 generation_config.json and the tokenizer files (tokenizer.json, tokenizer_config.json with the chat template).
 
-Then it checks itself: transformers loads the directory on CPU (fp32) and its logits on a fixed batch are
-compared with the megatron model's. ``export_manifest.json`` records the checkpoint, the shards with their
-sha256, the batch and the maximum absolute / relative logit difference. Everything is written into a temp
-directory that is renamed to ``out`` only when the difference is within tolerance; otherwise ExportError
-and nothing at ``out``.
+Then it checks itself, each side in a fresh process: megatron (a one-rank model loading the checkpoint) and
+transformers (loading the directory on CPU, fp32) compute logits on a fixed batch, which are compared.
+``export_manifest.json`` records the checkpoint, the shards with their sha256, the batch and the maximum
+absolute / relative logit difference. Everything is written into a temp directory that is renamed to ``out``
+only when the difference is within tolerance; otherwise ExportError and nothing at ``out``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from pipeline.config import ModelConfig, ParallelConfig
+from pipeline.config import ModelConfig
 
 MANIFEST = "export_manifest.json"
 TOLERANCE = 1e-4
@@ -57,36 +64,170 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_shards(tensors: Any, out: Path, max_shard_bytes: int = 2 << 30) -> dict[str, Any]:
-    """Write (name, tensor) pairs as safetensors shards of at most ``max_shard_bytes`` plus the index."""
-    from safetensors.torch import save_file
+class ShardWriter:
+    """Safetensors shards written as they fill: ``add(name, tensor)`` keeps tensors until the next one would
+    take the shard past ``max_shard_bytes``, then writes the shard (``model-XXXXX.safetensors.part``);
+    ``close()`` writes the last one, names them ``model-XXXXX-of-YYYYY.safetensors`` and writes
+    ``model.safetensors.index.json``. Holds at most one shard in memory."""
 
-    parts: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    total = 0
+    def __init__(self, out: Path, max_shard_bytes: int = 2 << 30) -> None:
+        self.out = Path(out)
+        self.max = max_shard_bytes
+        self.part: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.total = 0
+        self.files: list[str] = []
+        self.weight_map: dict[str, str] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.weight_map or name in self.part:
+            raise ValueError(f"tensor {name!r} written twice")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.part and self.size + nbytes > self.max:
+            self._flush()
+        self.part[name] = tensor.contiguous()
+        self.size += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        fname = f"model-{len(self.files) + 1:05d}.safetensors.part"
+        save_file(self.part, str(self.out / fname), metadata={"format": "pt"})
+        self.weight_map |= {k: fname for k in self.part}
+        self.files.append(fname)
+        self.part, self.size = {}, 0
+
+    def close(self) -> dict[str, Any]:
+        if self.part or not self.files:
+            self._flush()
+        n = len(self.files)
+        final = {f: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, f in enumerate(self.files)}
+        for f, g in final.items():
+            os.replace(self.out / f, self.out / g)
+        self.weight_map = {k: final[f] for k, f in self.weight_map.items()}
+        self.files = list(final.values())
+        index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return {"files": self.files, "total_size": self.total, "tensors": len(self.weight_map)}
+
+
+def write_shards(
+    tensors: Iterable[tuple[str, torch.Tensor]], out: Path, max_shard_bytes: int = 2 << 30
+) -> dict[str, Any]:
+    """Write (name, tensor) pairs as safetensors shards of at most ``max_shard_bytes`` plus the index."""
+    w = ShardWriter(out, max_shard_bytes)
     for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if parts[-1] and size + nbytes > max_shard_bytes:
-            parts.append({})
-            size = 0
-        parts[-1][name] = t
-        size += nbytes
-        total += nbytes
-    n = len(parts)
-    weight_map: dict[str, str] = {}
-    files = []
-    for i, part in enumerate(parts):
-        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        save_file(part, str(out / fname), metadata={"format": "pt"})
-        weight_map |= {k: fname for k in part}
-        files.append(fname)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return {"files": files, "total_size": total, "tensors": len(weight_map)}
+        w.add(name, t)
+    return w.close()
+
+
+# ---------------------------------------------------------------------------- reading the checkpoint
+
+
+def checkpoint_tensors(checkpoint: Path) -> dict[str, Any]:
+    """``{key: TensorStorageMetadata}`` (global ``size``, ``properties.dtype``, stored ``chunks``) of every
+    tensor in a dist checkpoint (torch_dist format)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = FileSystemReader(str(checkpoint)).read_metadata()
+    return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def read_slice(checkpoint: Path, key: str, offsets: tuple[int, ...], dest: torch.Tensor) -> torch.Tensor:
+    """Fill ``dest`` with the region of global tensor ``key`` that starts at ``offsets`` (shape: dest's),
+    reading only the stored chunks that overlap it. No process group needed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class SlicePlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=dest.shape)
+            md = self.metadata.state_dict_metadata[key]  # type: ignore[union-attr]
+            return LoadPlan(create_read_items_for_chunk_list(key, md, [chunk]))
+
+        def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+            t = dest
+            for dim, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                t = t.narrow(dim, o, n)
+            return t
+
+        def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+            pass
+
+    dcp.load(
+        {key: dest}, storage_reader=FileSystemReader(str(checkpoint)), planner=SlicePlanner(), no_dist=True
+    )
+    return dest
+
+
+STORAGE_ALIASES = {
+    "decoder.layers.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.input_layernorm.weight",
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight",
+}
+"""Checkpoint keys of megatron's layer specs (the norms fused into the next linear, as Transformer Engine
+names them; the local spec saves under the same keys) -> the parameter names of convert.hf.TABLE."""
+
+
+def iter_checkpoint_tensors(checkpoint: Path, model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(global megatron name as in ``convert.hf.TABLE``, full TP=1 tensor) of every model weight of a dist
+    checkpoint, layer by layer, one tensor in memory at a time (plus what the caller keeps).
+
+    Each tensor is read as its global region (a layer's slice of the stacked ``decoder.layers.*`` tensors,
+    from the stored chunks that overlap it), so the layout that saved the checkpoint does not matter.
+    Raises KeyError naming a model tensor of the checkpoint that the table does not map (e.g. an adapter).
+    """
+    from stages.engine.convert.hf import TABLE
+
+    path = Path(checkpoint)
+    meta = checkpoint_tensors(path)
+    model_keys = {k for k in meta if k.startswith(("embedding.", "decoder.", "output_layer."))}
+    model_keys = {k for k in model_keys if "_extra_state" not in k}
+    stored = {m.replace("{L}.", ""): m for m, _, _ in TABLE}
+    for alias, name in STORAGE_ALIASES.items():
+        stored[alias] = stored[name]
+    unmapped = sorted(model_keys - set(stored))
+    if unmapped:
+        raise KeyError(f"{path}: model tensors without a Hugging Face mapping: {unmapped[:5]}")
+
+    def read(key: str, layer: int | None) -> torch.Tensor:
+        size, dtype = tuple(meta[key].size), meta[key].properties.dtype
+        if layer is None:
+            return read_slice(path, key, (0,) * len(size), torch.empty(size, dtype=dtype))
+        if size[0] != model.num_layers:
+            raise ValueError(f"{path}: {key} holds {size[0]} layers, model.num_layers={model.num_layers}")
+        out = torch.empty(size[1:], dtype=dtype)
+        read_slice(path, key, (layer,) + (0,) * (len(size) - 1), out.unsqueeze(0))
+        return out
+
+    layer_keys = [k for k in stored if k.startswith("decoder.layers.") and k in model_keys]
+    if "embedding.word_embeddings.weight" in model_keys:
+        yield "embedding.word_embeddings.weight", read("embedding.word_embeddings.weight", None)
+    for layer in range(model.num_layers):
+        for key in layer_keys:
+            yield stored[key].replace("{L}", str(layer)), read(key, layer)
+    for key in ("decoder.final_layernorm.weight", "output_layer.weight"):
+        if key in model_keys:
+            yield key, read(key, None)
+
+
+def padded_vocab(checkpoint_meta: dict[str, Any]) -> int:
+    return int(checkpoint_meta["embedding.word_embeddings.weight"].size[0])
 
 
 def _tokenizer_files(tokenizer_dir: Path, out: Path) -> dict[str, Any]:
-    """Copy the tokenizer files; a pipeline-trained tokenizer gets a tokenizer_config.json with its template."""
+    """Copy the tokenizer files; a pipeline-trained tokenizer gets a tokenizer_config.json with its template.
+
+    Returns the files copied, the eos/pad/bos ids and the stop ids (eos + the data manifest's
+    ``stop_token_ids``: a Hugging Face model's end-of-turn tokens) for generation_config.json."""
+    from stages.engine.data import MANIFEST as DATA_MANIFEST
+    from stages.engine.data import load_tokenizer
+
     src = Path(tokenizer_dir)
     copied = [f for f in TOKENIZER_FILES if (src / f).is_file()]
     for f in copied:
@@ -99,11 +240,16 @@ def _tokenizer_files(tokenizer_dir: Path, out: Path) -> dict[str, Any]:
         )
         fast.chat_template = PIPELINE_CHAT_TEMPLATE
         fast.save_pretrained(out)
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    ids = {role: tok.token_to_id(t) for role, t in (("eos", "<|endoftext|>"), ("pad", "<|pad|>"))}
-    return {"copied": copied, "ids": ids}
+    tok = load_tokenizer(out / "tokenizer.json")
+    stop = [tok.eod]
+    if (src / DATA_MANIFEST).is_file():
+        stop += [
+            i
+            for i in json.loads((src / DATA_MANIFEST).read_text()).get("stop_token_ids", [])
+            if i not in stop
+        ]
+    ids = {"eos": tok.eod, "pad": tok.pad, "bos": tok.special_ids.get("bos")}
+    return {"copied": copied, "ids": ids, "stop": stop}
 
 
 def _batch(vocab: int, seq: int) -> torch.Tensor:
@@ -121,13 +267,12 @@ def export(
     max_shard_bytes: int = 2 << 30,
     threads: int = 2,
 ) -> dict[str, Any]:
-    """Write and verify the Hugging Face directory ``out``; returns the manifest. One process, one rank."""
+    """Write and verify the Hugging Face directory ``out``; returns the manifest. One process, one rank
+    (plus the two check processes)."""
     from pipeline.hf_arch import to_hf_config
-    from stages.engine import distributed as D
-    from stages.engine.checkpoint import load_weights
-    from stages.engine.convert.hf import full_state_dict, to_hf_tensors
+    from stages.engine.checkpoint import _require_committed
+    from stages.engine.convert.hf import to_hf_tensors
     from stages.engine.data import load_tokenizer
-    from stages.engine.model import build_model, unwrap
 
     out = Path(out)
     if out.exists():
@@ -138,28 +283,31 @@ def export(
     tmp = out.parent / f".tmp.{out.name}.{secrets.token_hex(4)}"
     tmp.mkdir()
     start = time.monotonic()
-    par = ParallelConfig(micro_batch_size=1, global_batch_size=1, precision="fp32")
-    D.init(1, 1, None, seed=0, threads=threads)
     try:
-        chunks = build_model(model, par, vocab)
-        load_weights(Path(checkpoint), chunks)
-        gpt = unwrap(chunks[0])
-        padded = gpt.vocab_size
-        shards = write_shards(to_hf_tensors(full_state_dict(chunks[0]), model, padded), tmp, max_shard_bytes)
+        _require_committed(Path(checkpoint))
+        torch.set_num_threads(threads)
+        meta = checkpoint_tensors(checkpoint)
+        dtype = meta["embedding.word_embeddings.weight"].properties.dtype
+        stream = to_hf_tensors(iter_checkpoint_tensors(checkpoint, model), model, padded_vocab(meta))
+        shards = write_shards(stream, tmp, max_shard_bytes)
         tok = _tokenizer_files(Path(tokenizer_dir), tmp)
-        eos, pad = tok["ids"]["eos"], tok["ids"]["pad"]
-        extra = {"eos_token_id": eos, "bos_token_id": None, "pad_token_id": pad}
+        eos, pad, bos = tok["ids"]["eos"], tok["ids"]["pad"], tok["ids"]["bos"]
+        extra = {
+            "eos_token_id": eos,
+            "bos_token_id": bos,
+            "pad_token_id": pad,
+            "torch_dtype": str(dtype).split(".")[-1],
+        }
         (tmp / "config.json").write_text(json.dumps(to_hf_config(model, vocab, extra), indent=2))
-        gen = {"eos_token_id": eos, "pad_token_id": pad, "do_sample": False}
+        stop = tok["stop"][0] if len(tok["stop"]) == 1 else tok["stop"]
+        gen = {"eos_token_id": stop, "pad_token_id": pad, "bos_token_id": bos, "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         tokens = _batch(vocab, model.seq_length)
-        gpt.eval()
-        with torch.no_grad():
-            pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-            ours = gpt(tokens, pos, None)[..., :vocab].float()
-    finally:
-        D.shutdown()
-    theirs = hf_logits(tmp, tokens)
+        ours = megatron_logits(model, Path(checkpoint), tokens, vocab, threads)
+        theirs = hf_logits(tmp, tokens)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     diff = float((ours - theirs).abs().max())
     rel = diff / float(ours.abs().max())
     manifest = {
@@ -168,6 +316,7 @@ def export(
         "model": model.name,
         "architecture": json.loads((tmp / "config.json").read_text())["architectures"][0],
         "vocab_size": vocab,
+        "dtype": extra["torch_dtype"],
         "shards": {
             f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in shards["files"]
         },
@@ -194,13 +343,61 @@ def export(
     return manifest
 
 
+_MEGATRON_LOGITS = """
+import dataclasses, json, sys, torch
+from pathlib import Path
+from pipeline.config import ModelConfig, ParallelConfig
+from stages.engine import distributed as D
+from stages.engine.checkpoint import load_weights
+from stages.engine.model import build_model, unwrap
+model = ModelConfig(**json.loads(Path(sys.argv[1]).read_text()))
+ckpt, tokens, vocab, threads = Path(sys.argv[2]), torch.load(sys.argv[3]), int(sys.argv[5]), int(sys.argv[6])
+D.init(1, 1, None, seed=0, threads=threads)
+try:
+    chunks = build_model(model, ParallelConfig(micro_batch_size=1, global_batch_size=1, precision="fp32"), vocab)
+    load_weights(ckpt, chunks)
+    gpt = unwrap(chunks[0]).eval()
+    with torch.no_grad():
+        pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        torch.save(gpt(tokens, pos, None)[..., :vocab].float(), sys.argv[4])
+finally:
+    D.shutdown()
+"""
+
+
+def _run(code: list[str], what: str) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(Path(__file__).resolve().parents[3]), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    done = subprocess.run([sys.executable, "-c", *code], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise ExportError(f"{what}: {done.stderr[-2000:]}")
+
+
+def megatron_logits(
+    model: ModelConfig, checkpoint: Path, tokens: torch.Tensor, vocab: int, threads: int = 2
+) -> torch.Tensor:
+    """The checkpoint's fp32 logits for ``tokens`` from a one-rank megatron model, in a fresh process (so the
+    exporting process never holds the whole model)."""
+    import dataclasses
+
+    with tempfile.TemporaryDirectory() as d:
+        cfg, src, dst = Path(d) / "model.json", Path(d) / "tokens.pt", Path(d) / "logits.pt"
+        cfg.write_text(json.dumps(dataclasses.asdict(model)))
+        torch.save(tokens, src)
+        _run(
+            [_MEGATRON_LOGITS, str(cfg), str(checkpoint), str(src), str(dst), str(vocab), str(threads)],
+            f"{checkpoint}: megatron cannot compute the reference logits",
+        )
+        return torch.load(dst)
+
+
 def hf_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     """transformers' fp32 logits for ``tokens`` (CPU), computed in a fresh process: a process that ran
     megatron (its CPU patches, its process groups) is no clean room for a reference."""
-    import subprocess
-    import sys
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
         src, dst = Path(d) / "tokens.pt", Path(d) / "logits.pt"
         torch.save(tokens, src)
@@ -211,9 +408,5 @@ def hf_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
             "with torch.no_grad():\n"
             "    torch.save(m(torch.load(sys.argv[2])).logits.float(), sys.argv[3])\n"
         )
-        done = subprocess.run(
-            [sys.executable, "-c", code, str(model_dir), str(src), str(dst)], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise ExportError(f"{model_dir}: transformers cannot load the export: {done.stderr[-2000:]}")
+        _run([code, str(model_dir), str(src), str(dst)], f"{model_dir}: transformers cannot load the export")
         return torch.load(dst)

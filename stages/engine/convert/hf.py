@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,11 +213,12 @@ def _export(kind: str, full: torch.Tensor, s: Shapes) -> list[torch.Tensor]:
 
 
 def to_hf_tensors(
-    state: dict[str, torch.Tensor], model: ModelConfig, padded_vocab: int
+    state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], model: ModelConfig, padded_vocab: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) for each tensor of a full TP=1/PP=1 megatron state dict, in table order."""
+    """(Hugging Face name, tensor) for each full TP=1/PP=1 megatron tensor of ``state`` (a state dict or a
+    stream of (global megatron name, tensor) pairs, e.g. convert.export.iter_checkpoint_tensors), in order."""
     s = Shapes.of(model, padded_vocab)
-    for name, tensor in state.items():
+    for name, tensor in state.items() if isinstance(state, dict) else state:
         if name.endswith("_extra_state") or tensor is None:
             continue
         if name == "output_layer.weight" and model.tie_embeddings:
