@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeline import graph
 from pipeline.errors import ConfigError
-from pipeline.graph import STAGES, TRAIN_STAGES
+from pipeline.graph import DEFAULT_STAGES, LM_STAGES, STAGES, TRAIN_STAGES
 
 
 def _fail(key: str, value: Any, allowed: str) -> None:
@@ -605,7 +605,7 @@ class RLHFStage(TrainStage):
     """
 
     reward: str = "verifier"
-    """Reward source of online RL: verifier (the task checker, stages/tasks.py: 1 for the right answer, else 0); model (a trained reward model) and both need the reward-model stage, which this version does not have yet."""
+    """Reward source of online RL: verifier (the task checker, stages/tasks.py: 1 for the right answer, else 0); model (the reward_model stage's final checkpoint, frozen: its scalar score); both (their sum). model and both make rlhf read the reward_model stage: list it in run.stages or complete it first."""
     group_size: int = num(4, ge=2)
     """GRPO: samples per prompt (G); advantages are rewards normalised within each prompt's group. parallel.global_batch_size must be a multiple."""
     temperature: float = num(1.0, gt=0)
@@ -624,13 +624,6 @@ class RLHFStage(TrainStage):
         _choice("reward", self.reward, REWARDS)
         if self.algorithm == "dpo":
             return
-        if self.reward in ("model", "both"):
-            _fail(
-                "reward",
-                self.reward,
-                "needs the reward-model stage (a trained reward model), which this version does not have; "
-                "use reward=verifier",
-            )
         gbs = self.parallel.global_batch_size
         if gbs % self.group_size:
             _fail(
@@ -651,7 +644,7 @@ class EvalStage:
     threads: int = num(2, ge=1)
     """torch.set_num_threads."""
     models: list[str] = field(default_factory=lambda: ["pretrain", "sft", "rlhf"])
-    """Which stages' final checkpoints to evaluate (those in the run), or hf:<dir> (a Hugging Face model directory)."""
+    """Which stages' final checkpoints to evaluate (those in the run), or hf:<dir> (a Hugging Face model directory). The reward model (reward_model) is scored on the held-out pairs whenever it is in run.stages or listed here."""
     max_new_tokens: int = num(8, ge=1)
     """Greedy generation length for task answers."""
     num_task_examples: int = num(200, ge=1)
@@ -666,6 +659,39 @@ class EvalStage:
         for m in self.models:
             if not m.startswith("hf:"):
                 _choice("models", m, TRAIN_STAGES)
+
+
+@dataclass
+class RewardModelStage(TrainStage):
+    """The reward model (opt-in: list reward_model in run.stages): the SFT model plus a scalar head on the final
+    hidden state at each sequence's last token, trained with the Bradley-Terry loss on preference pairs
+    (data_prep's pref_train.jsonl or users' data.pref_paths). Same loop and keys as the other training stages."""
+
+
+@dataclass
+class ExportStage:
+    """Export (opt-in: list export in run.stages): python -m pipeline.export of a training stage's final
+    checkpoint to a Hugging Face directory, verified by logits; the result goes into the ledger."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Unused (export runs on one rank); leave it at its default."""
+    time_min: int | None = num(None, integer=True, ge=1)
+    """Job time limit (None: cluster.time_min)."""
+    threads: int = num(2, ge=1)
+    """torch threads of the export and its check."""
+    stage: str | None = None
+    """Stage to export: pretrain, sft or rlhf (None: the last of them in run.stages)."""
+    out: str | None = None
+    """Output directory (None: <run_dir>/export/<stage>)."""
+    tolerance: float | None = num(None, integer=False, gt=0)
+    """Largest relative logit difference the check accepts (None: the exporter's default, 1e-4)."""
+
+    def __post_init__(self) -> None:
+        check_domains(self)
+        if self.stage is not None:
+            _choice("stage", self.stage, LM_STAGES)
+        if self.out is not None and not str(self.out).strip():
+            _fail("out", self.out, "a directory path, or null for <run_dir>/export/<stage>")
 
 
 @dataclass
@@ -697,8 +723,8 @@ class RunConfig:
     """Experiment name: the first part of the run directory's name."""
     root: str = "runs"
     """Folder holding run directories (on a filesystem all nodes share)."""
-    stages: list[str] = field(default_factory=lambda: list(STAGES))
-    """Stages to run, a subset of data_prep, pretrain, sft, rlhf, eval."""
+    stages: list[str] = field(default_factory=lambda: list(DEFAULT_STAGES))
+    """Stages to run (in graph order whatever the order here): a subset of data_prep, pretrain, sft, reward_model, rlhf, eval, export. reward_model and export are opt-in: they run only when listed (pipeline/graph.py declares the graph)."""
     dry_run: bool = False
     """Print each stage's job (sbatch script and layout) and submit nothing."""
     follow: bool = False
@@ -726,14 +752,32 @@ class PipelineConfig:
     sft: TrainStage = field(default_factory=TrainStage)
     rlhf: RLHFStage = field(default_factory=RLHFStage)
     eval: EvalStage = field(default_factory=EvalStage)
+    reward_model: RewardModelStage = field(default_factory=lambda: RewardModelStage())
+    export: ExportStage = field(default_factory=lambda: ExportStage())
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
-    def stage(self, name: str) -> DataPrepStage | TrainStage | EvalStage:
+    def stage(self, name: str) -> DataPrepStage | TrainStage | EvalStage | ExportStage:
         _choice("run.stages", name, STAGES)
         return getattr(self, name)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _check_sections() -> None:
+    """Each stage of the registry (pipeline.graph.REGISTRY) has its section in PipelineConfig, of its type."""
+    fields = {f.name: f.type for f in dataclasses.fields(PipelineConfig)}
+    for s in graph.REGISTRY:
+        have = fields.get(s.name)
+        have = have if isinstance(have, str) else getattr(have, "__name__", None)
+        if have != s.section:
+            raise RuntimeError(
+                f"pipeline.graph declares stage {s.name!r} with section {s.section}: add "
+                f"'{s.name}: {s.section} = field(default_factory={s.section})' to PipelineConfig (found {have})"
+            )
+
+
+_check_sections()
 
 
 # ---------------------------------------------------------------------------- building and validation
@@ -785,6 +829,8 @@ _DATACLASSES: dict[str, type] = {
         TrainStage,
         RLHFStage,
         EvalStage,
+        RewardModelStage,
+        ExportStage,
         RunConfig,
         PlannerConfig,
         PipelineConfig,
@@ -870,13 +916,14 @@ _SLURM_ONLY = (
 _PARALLEL_USED = {
     "data_prep": ("tp", "pp", "dp", "nodes"),
     "eval": ("tp", "pp", "dp", "nodes", "precision"),
+    "export": (),
 }
 
 
 def _check_ignored(pc: PipelineConfig) -> None:
     """A per-stage value either applies or is rejected: non-default values of keys a stage does not read."""
     train_default = TrainStage()
-    for name in ("pretrain", "sft"):
+    for name in (s for s in TRAIN_STAGES if s != "rlhf"):
         for k in _RLHF_ONLY:
             value = getattr(getattr(pc, name), k)
             if value != getattr(train_default, k):
@@ -920,7 +967,7 @@ def _check_ignored(pc: PipelineConfig) -> None:
                 _fail(
                     f"{name}.parallel.{f.name}",
                     value,
-                    f"{name} does not read it (it reads {', '.join(used)}); leave it at its default",
+                    f"{name} does not read it (it reads {', '.join(used) or 'none of them'}); leave it at its default",
                 )
 
 
@@ -986,7 +1033,7 @@ def stage_hashes(pc: PipelineConfig, with_inputs: bool = True) -> dict[str, str]
     """
     out: dict[str, str] = {}
     for name in STAGES:
-        ups = {u: out[u] for u in graph.upstream(name)}
+        ups = {u: out[u] for u in graph.hash_upstream(name, pc)}
         own = stage_own_config(pc, name)
         if name == "data_prep" and with_inputs:
             from pipeline.data_identity import inputs_digest

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from pipeline import config
+from pipeline import config, graph
 
 SECTIONS = (
     ("run", "RunConfig"),
@@ -16,12 +16,13 @@ SECTIONS = (
     ("data", "DataConfig"),
     ("data.sources[i]", "DataSource"),
     ("data_prep", "DataPrepStage"),
-    ("pretrain / sft / rlhf", "TrainStage"),
+    (" / ".join(graph.TRAIN_STAGES), "TrainStage"),
     ("rlhf (besides the TrainStage keys)", "RLHFStage"),
     ("<stage>.parallel", "ParallelConfig"),
     ("<train stage>.monitor", "MonitorConfig"),
     ("<train stage>.peft", "PeftConfig"),
     ("eval", "EvalStage"),
+    ("export", "ExportStage"),
     ("planner", "PlannerConfig"),
 )
 

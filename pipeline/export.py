@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.config import TRAIN_STAGES, ConfigError, PipelineConfig, from_dict
+from pipeline.config import LM_STAGES, ConfigError, PipelineConfig, from_dict
 from pipeline.ledger import COMPLETED, Ledger
 
 
@@ -40,10 +40,10 @@ def run_config(run_dir: Path) -> PipelineConfig:
 
 def pick_stage(ledger: Ledger, stage: str | None) -> str:
     if stage is not None:
-        if stage not in TRAIN_STAGES:
-            raise ConfigError(f"stage={stage!r}: must be one of {list(TRAIN_STAGES)}")
+        if stage not in LM_STAGES:
+            raise ConfigError(f"stage={stage!r}: must be one of {list(LM_STAGES)}")
         return stage
-    for s in reversed(TRAIN_STAGES):
+    for s in reversed(LM_STAGES):
         rec = ledger.read(s)
         if rec and rec.status == COMPLETED:
             return s

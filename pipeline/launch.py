@@ -21,6 +21,7 @@ from typing import Any
 
 from pipeline.alarms import forward_alarms
 from pipeline.config import PipelineConfig, from_dict, stage_hashes
+from pipeline.graph import module as stage_module
 from pipeline.graph import upstream
 from pipeline.jobenv import free_port, requeue_self, restart_count  # noqa: F401  (free_port re-exported)
 from pipeline.ledger import (
@@ -344,8 +345,8 @@ def _call_stage(stage: str, cfg: PipelineConfig, run_dir: Path) -> dict[str, Any
         from pipeline.data_identity import link_shared_data, shared_data_prep
 
         link_shared_data(cfg, ctx.out_dir, stage_hashes(cfg)["data_prep"])
-        module = importlib.import_module("stages.data_prep")
+        module = importlib.import_module(stage_module(stage))
         return shared_data_prep(cfg, ctx.out_dir, lambda: dict(module.main(cfg, ctx) or {}))
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
-    module = importlib.import_module(f"stages.{stage}")
+    module = importlib.import_module(stage_module(stage))
     return dict(module.main(cfg, ctx) or {})

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from pipeline.errors import ConfigError
-from pipeline.graph import TRAIN_STAGES
+from pipeline.graph import TRAIN_STAGES, spec
 
 if TYPE_CHECKING:  # types only: pipeline.config calls check_layout, so this module must not import it
     from pipeline.config import ModelConfig, ParallelConfig, PipelineConfig, TrainStage
@@ -88,10 +88,14 @@ def check_layout(cfg: PipelineConfig, stage: str) -> ParallelPlan:
     st = cfg.stage(stage)
     key = f"{stage}.parallel"
     par = st.parallel
-    if stage == "data_prep" or stage == "eval":
+    if not spec(stage).trains:
         plan = stage_plan(cfg, stage)
+        if stage == "eval" and par.pp == 1:  # eval runs tensor parallel (same numbers as one rank)
+            _check_model_split(cfg.model, par, key)
+            return plan
         if par.tp * par.pp != 1:
-            raise ConfigError(f"{key}: {stage} runs without model parallelism; set tp=1 and pp=1")
+            what = "tp=1 and pp=1" if stage != "eval" else "pp=1 (tensor parallel works)"
+            raise ConfigError(f"{key}: {stage} runs without pipeline or model parallelism; set {what}")
         return plan
     if stage not in TRAIN_STAGES:
         raise ConfigError(f"run.stages={stage!r}: not a training stage")

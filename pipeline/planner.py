@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.config import ConfigError, ModelConfig, ParallelConfig, PipelineConfig, TrainStage
+from pipeline.config import TRAIN_STAGES, ConfigError, ModelConfig, ParallelConfig, PipelineConfig, TrainStage
 from pipeline.plan import ParallelPlan, check_layout
 
 GiB = 2**30
@@ -379,7 +379,7 @@ def _estimate(cfg: PipelineConfig, stage: str) -> StageEstimate:
     st = cfg.stage(stage)
     if not isinstance(st, TrainStage):
         raise ConfigError(
-            f"run.stages={stage!r}: the planner estimates training stages (pretrain, sft, rlhf)"
+            f"run.stages={stage!r}: the planner estimates training stages ({', '.join(TRAIN_STAGES)})"
         )
     m, par = cfg.model, st.parallel
     vocab = padded_vocab(m, config_vocab(cfg), par.tp)

@@ -303,7 +303,7 @@ _SPECIAL_TOKENS = {"<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>"}
 """stages.engine.data.SPECIAL_TOKENS' values (a test keeps them equal): data prep adds missing ones."""
 
 
-@reads("sft", "rlhf")
+@reads("sft", "reward_model", "rlhf")
 def _examples(cfg: PipelineConfig, stage: str) -> None:
     """Generated SFT examples and preference pairs fill at least one global batch."""
     have, key = (

@@ -1,8 +1,8 @@
 """Eval: held-out perplexity, task accuracy by greedy generation and preference accuracy, per trained model.
 
 For each stage named in ``eval.models`` whose output is in ``ctx.inputs``, the newest verified checkpoint
-under ``<stage>/checkpoints`` is loaded (weights only) into one model built from ``cfg.model`` (on one rank,
-``eval.parallel``), and scored on data_prep's held-out files:
+under ``<stage>/checkpoints`` is loaded (weights only) into one model built from ``cfg.model`` (layout
+``eval.parallel``: one rank, or tensor parallel; the numbers do not depend on it), and scored on data_prep's held-out files:
 
 - perplexity: ``exp(mean next-token NLL)`` over up to ``eval.perplexity_batches x eval.batch_size`` samples
   of ``text_valid`` (megatron GPTDataset, ``model.seq_length`` tokens each);
@@ -28,6 +28,9 @@ under ``<stage>/checkpoints`` is loaded (weights only) into one model built from
         }
       },
       "skipped": {"<stage>": "<reason>"}   (in eval.models but not in the run, or no checkpoint)
+      "reward_model": {"checkpoint", "iteration", "pref_accuracy" (r(chosen) > r(rejected) on eval_pref),
+                       "reward_margin" (mean r(chosen) - r(rejected)), "pairs"}
+                      (when the reward_model stage is in run.stages or eval.models)
     }
 
 One ``{"kind": "eval", "model", "perplexity", "task_accuracy", "pref_accuracy"}`` line per model goes to
@@ -95,6 +98,7 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
                 "iteration": _iteration(ckpt),
                 **evaluate(model, tok, sets, cfg),
             }
+        reward = _eval_reward_model(ctx, cfg, tok, sets, skipped)
     finally:
         D.shutdown()
 
@@ -118,13 +122,60 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         "models": results,
         "skipped": skipped,
     }
+    if reward is not None:
+        out["reward_model"] = reward
     if D.is_rank0():
         _write_results(ctx, out)
         print(format_table(out), flush=True)
     summary = {
         k: {m: v[m] for m in ("perplexity", "task_accuracy", "pref_accuracy")} for k, v in results.items()
     }
+    if reward is not None:
+        summary["reward_model"] = {"pref_accuracy": reward["pref_accuracy"]}
     return {"results": str(Path(ctx.out_dir) / RESULTS), "models": summary, "skipped": skipped}
+
+
+def _eval_reward_model(
+    ctx: StageContext, cfg: PipelineConfig, tok: Any, sets: dict[str, Any], skipped: dict[str, str]
+) -> dict[str, Any] | None:
+    """The reward model's accuracy on the held-out pairs (r(chosen) > r(rejected)), when eval reads it."""
+    from pipeline.graph import required
+    from stages.engine.checkpoint import find_latest
+    from stages.engine.reward_model import RewardModel
+
+    if "reward_model" not in required("eval", cfg):
+        return None
+    if "reward_model" not in ctx.inputs:
+        skipped["reward_model"] = "not in this run"
+        return None
+    ckpt = find_latest(Path(ctx.inputs["reward_model"]) / "checkpoints")
+    if ckpt is None:
+        skipped["reward_model"] = f"no verified checkpoint under {ctx.inputs['reward_model']}/checkpoints"
+        return None
+    rm = RewardModel(
+        ckpt,
+        cfg.model,
+        cfg.eval.parallel,
+        tok.vocab_size,
+        pad_id=tok.pad,
+        eod_id=tok.eod,
+        batch_size=cfg.eval.batch_size,
+    )
+    seqs = []
+    for item in sets["pref"]:  # [2, s] each: the tokens up to the last trained label, chosen then rejected
+        for row in range(2):
+            mask = item["loss_mask"][row]
+            last = int(np.nonzero(mask > 0)[0].max()) if mask.any() else 0
+            seqs.append(item["tokens"][row, : last + 1].tolist())
+    r = rm(seqs, [[] for _ in seqs]).reshape(-1, 2) if seqs else np.zeros((0, 2), np.float32)
+    margin = r[:, 0] - r[:, 1]
+    return {
+        "checkpoint": str(ckpt),
+        "iteration": _iteration(ckpt),
+        "pref_accuracy": float(np.mean(margin > 0)) if len(margin) else None,
+        "reward_margin": float(np.mean(margin)) if len(margin) else None,
+        "pairs": len(margin),
+    }
 
 
 def _eval_hf(
@@ -282,6 +333,10 @@ def _iteration(ckpt: Path) -> int | None:
 def _write_results(ctx: StageContext, out: dict[str, Any]) -> None:
     atomic_write_text(Path(ctx.out_dir) / RESULTS, json.dumps(out, indent=2) + "\n")
     metrics = MetricsWriter(ctx.metrics_path)
+    if "reward_model" in out:
+        metrics.write(
+            {"kind": "eval", "model": "reward_model", "pref_accuracy": out["reward_model"]["pref_accuracy"]}
+        )
     for stage, r in out["models"].items():
         metrics.write(
             {
@@ -309,6 +364,11 @@ def format_table(out: dict[str, Any]) -> str:
         lines.append(
             f"{stage:<10} {r['iteration'] or 0:>6} {cell(r['perplexity'], '.2f')} "
             f"{cell(r['task_accuracy'], '.1%')} {cell(r['pref_accuracy'], '.1%')}"
+        )
+    if "reward_model" in out:
+        r = out["reward_model"]
+        lines.append(
+            f"{'reward_model':<12} {r['iteration'] or 0:>4} {'':>9} {'':>9} {cell(r['pref_accuracy'], '.1%')}"
         )
     for stage, why in out["skipped"].items():
         lines.append(f"{stage:<10} skipped: {why}")

@@ -39,7 +39,8 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
 
     def unit(env: Any) -> tuple[Any, None]:
         prompts, answers = task_prompts(data_dir(ctx))
-        return rl.online_unit(env, prompts, answers, check=tasks.is_correct)
+        rm = _reward_model(cfg, ctx, env) if cfg.rlhf.reward in ("model", "both") else None
+        return rl.online_unit(env, prompts, answers, check=tasks.is_correct, reward_model=rm)
 
     return train_stage(cfg, ctx, step=rl.make_online_step(cfg.rlhf), unit=unit)
 
@@ -63,6 +64,25 @@ def task_prompts(d: Path) -> tuple[list[str], list[str]]:
         except ValueError:
             answers.append(r["response"])
     return [r["prompt"] for r in recs], answers
+
+
+def _reward_model(cfg: PipelineConfig, ctx: StageContext, env: Any) -> Any:
+    """The reward_model stage's final checkpoint, frozen, in this stage's layout (``rlhf.reward=model|both``)."""
+    from stages.engine.reward_model import RewardModel
+
+    if "reward_model" not in ctx.inputs:
+        raise ValueError(f"rlhf.reward={cfg.rlhf.reward}: needs the reward_model stage's outputs")
+    tok = env.tokenizer
+    return RewardModel(
+        ctx.inputs["reward_model"] / "checkpoints",
+        cfg.model,
+        env.stage.parallel,
+        tok.vocab_size,
+        pad_id=tok.pad,
+        eod_id=tok.eod,
+        seq_length=env.seq_length,
+        batch_size=env.stage.parallel.micro_batch_size,
+    )
 
 
 def _dpo_unit(env: Any) -> tuple[Any, None]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import STAGES
+from pipeline.graph import DEFAULT_STAGES as STAGES
 from pipeline.ledger import Ledger
 
 REPO = Path(__file__).resolve().parent.parent

@@ -115,14 +115,16 @@ def test_verifier_reward_checks_each_response_against_its_prompts_answer() -> No
     reward = make_reward("verifier", tokenizer=_Tok(), answers={(5,): "12", (6,): "3"}, check=is_correct)
     got = reward([[5], [5], [6], [6]], [[11, 12], [11, 13], [13], [13, 0]])
     assert got.dtype == np.float32 and got.tolist() == [1.0, 0.0, 1.0, 0.0]  # a special token: never right
-    with pytest.raises(ValueError, match="reward-model stage"):
+    with pytest.raises(ValueError, match="needs the trained reward model"):
         make_reward("model", tokenizer=_Tok(), answers={}, check=is_correct)
+    scores = lambda p, r: np.full(len(p), 0.5, dtype=np.float32)  # noqa: E731  (a reward model's scores)
+    both = make_reward("both", tokenizer=_Tok(), answers={(5,): "12"}, check=is_correct, model=scores)
+    assert both([[5], [5]], [[11, 12], [11, 13]]).tolist() == [1.5, 0.5]
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["rlhf.reward=both"], "rlhf.reward='both': needs the reward-model stage"),
         (["rlhf.group_size=5"], "rlhf.parallel.global_batch_size=32: must be a multiple of group_size=5"),
         (["rlhf.algorithm=ppo2"], "rlhf.algorithm"),
         (["rlhf.clip_eps=1.5"], "rlhf.clip_eps=1.5"),

@@ -29,7 +29,7 @@ from slurm_helpers import (
     wait_settled,
 )
 
-from pipeline.config import STAGES
+from pipeline.graph import DEFAULT_STAGES as STAGES
 from pipeline.ledger import Ledger
 from pipeline.status import run_status
 

@@ -753,11 +753,13 @@ def load(
     return {**common["state"], "iteration": common["iteration"], "torch_threads": common["torch_threads"]}
 
 
-def load_weights(path: Path, model_chunks: list) -> None:
+def load_weights(path: Path, model_chunks: list, *, fresh: tuple[str, ...] = ()) -> None:
     """Load only the model weights of checkpoint ``path`` (``init_from``: fresh optimizer and schedule).
 
     A LoRA stage's checkpoint (adapters only) loads as its base weights (recorded in it) with the adapters
     merged in (stages/engine/lora.py). Into a model with adapters, only the base weights are loaded.
+    ``fresh``: name prefixes of parameters the checkpoint does not hold, kept as initialised (the reward
+    model's head on an SFT checkpoint); every other parameter must load.
     """
     path = Path(path)
     _require_committed(path)
@@ -768,7 +770,13 @@ def load_weights(path: Path, model_chunks: list) -> None:
         lora.load_merged(path, model_chunks, rec)
         return
     sharded = _sharded_state_dict(model_chunks, None, is_loading=True, part="base")
-    _load_model(model_chunks, _dist_load(sharded, path), path, strict=not lora.has_lora(model_chunks))
+    if fresh:
+        sharded = {
+            k: {n: v for n, v in sd.items() if not n.startswith(fresh)} if k.startswith("model") else sd
+            for k, sd in sharded.items()
+        }
+    strict = not lora.has_lora(model_chunks)
+    _load_model(model_chunks, _dist_load(sharded, path), path, strict=strict, fresh=fresh)
 
 
 def _dist_load(sharded: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -788,7 +796,12 @@ def _require_committed(path: Path) -> None:
 
 
 def _load_model(
-    model_chunks: list, loaded: dict, path: Path, name: str | None = None, strict: bool = True
+    model_chunks: list,
+    loaded: dict,
+    path: Path,
+    name: str | None = None,
+    strict: bool = True,
+    fresh: tuple[str, ...] = (),
 ) -> None:
     from megatron.core.utils import unwrap_model
 
@@ -800,6 +813,14 @@ def _load_model(
             state = loaded[key]
             if prefix:
                 state = {k.removeprefix(prefix): v for k, v in state.items()}
+            if fresh:
+                result = chunk.load_state_dict(state, strict=False)
+                bad = [n for n in result.missing_keys if not n.startswith(fresh)] + list(
+                    result.unexpected_keys
+                )
+                if bad:
+                    raise RuntimeError(f"missing or unexpected keys {bad[:5]}")
+                continue
             missing, unexpected = chunk.load_state_dict(state, strict=strict)
         except (KeyError, RuntimeError) as e:
             raise CheckpointError(f"{path}: model chunk {key!r} does not load: {e}") from e

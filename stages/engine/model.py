@@ -148,14 +148,21 @@ def _set_core_attention(spec: Any, backend: str) -> None:
 
 
 def build_model(
-    model: ModelConfig, par: ParallelConfig, vocab_size: int, *, trainable: bool = True, peft: Any = None
+    model: ModelConfig,
+    par: ParallelConfig,
+    vocab_size: int,
+    *,
+    trainable: bool = True,
+    peft: Any = None,
+    customize: Any = None,
 ) -> list[Any]:
     """This rank's model chunks (len = vpp or 1), in DDP, ready for get_megatron_optimizer.
 
     ``vocab_size`` is the tokenizer's (or model.vocab_size); it is padded here. ``trainable=False``: a
     frozen model (an RL reference): no DDP wrapper and no gradient buffers, gradients off, eval mode.
     ``peft`` (a PeftConfig with method=lora): LoRA adapters on the targeted linears, every other weight frozen
-    (stages/engine/lora.py).
+    (stages/engine/lora.py). ``customize(gpt)``: adds modules to each GPTModel before its weights are drawn
+    and it is wrapped (the reward model's head).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -172,6 +179,8 @@ def build_model(
     wrapped = []
     for i in range(chunks):
         module = _gpt(model, config, vocab, i if chunks > 1 else None)
+        if customize is not None:
+            module = customize(module)
         init_by_global_name(module, config, D.base_seed(), D.tp_rank(), par.tp)  # same weights at any layout
         if peft is not None and peft.method == "lora":
             from stages.engine.lora import apply_lora

@@ -7,7 +7,9 @@ the reward with the same rollouts and must get the same values (deterministic, n
 Sources (``rlhf.reward``; ``make_reward``):
 - ``verifier``: the task checker (the stage passes ``stages.tasks.is_correct`` and each prompt's right
   answer; the engine never imports the task): 1.0 for the right answer, else 0.0.
-- ``model`` / ``both``: a trained reward model, added with the reward-model stage (not in this version).
+- ``model``: the trained reward model, frozen (``stages.engine.reward_model.RewardModel``, the reward_model
+  stage's final checkpoint): its scalar score.
+- ``both``: verifier + model (``SumReward``).
 """
 
 from __future__ import annotations
@@ -53,8 +55,21 @@ class VerifierReward:
         return out
 
 
-REWARDS = ("verifier",)
-"""Reward sources implemented here (config accepts model / both once the reward-model stage exists)."""
+class SumReward:
+    """The sum of several rewards (``both``: the verifier's 0/1 plus the reward model's score)."""
+
+    def __init__(self, *parts: Reward) -> None:
+        self.parts = parts
+
+    def __call__(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> np.ndarray:
+        total = np.zeros(len(prompts), dtype=np.float32)
+        for part in self.parts:
+            total += np.asarray(part(prompts, responses), dtype=np.float32)
+        return total
+
+
+REWARDS = ("verifier", "model", "both")
+"""Reward sources (``rlhf.reward``)."""
 
 
 def make_reward(
@@ -63,13 +78,14 @@ def make_reward(
     tokenizer: Any,
     answers: Mapping[tuple[int, ...], str],
     check: Callable[[str, str], bool],
+    model: Reward | None = None,
 ) -> Reward:
-    """The reward of ``rlhf.reward=name``: ``answers`` and ``check`` feed the verifier."""
+    """The reward of ``rlhf.reward=name``: ``answers`` and ``check`` feed the verifier; ``model`` is the frozen
+    reward model (``model`` and ``both``)."""
     if name == "verifier":
         return VerifierReward(tokenizer, answers, check)
     if name in ("model", "both"):
-        raise ValueError(
-            f"rlhf.reward={name}: needs the reward-model stage (a trained reward model), which this version "
-            "does not have; use reward=verifier"
-        )
+        if model is None:
+            raise ValueError(f"rlhf.reward={name}: needs the trained reward model (the reward_model stage)")
+        return model if name == "model" else SumReward(VerifierReward(tokenizer, answers, check), model)
     raise ValueError(f"rlhf.reward={name!r}: must be one of {list(REWARDS)}")

@@ -346,7 +346,11 @@ class GRPOUnit(TrainUnit):
 
 
 def online_unit(
-    env: Any, prompts: list[str], answers: list[str], check: Callable[[str, str], bool]
+    env: Any,
+    prompts: list[str],
+    answers: list[str],
+    check: Callable[[str, str], bool],
+    reward_model: Any = None,
 ) -> tuple[GRPOUnit, None]:
     """The GRPO unit of a stage (``train_stage(unit=lambda env: online_unit(env, ...))``): the prompt stream
     (``prompts`` with their right ``answers``), the reward (``rlhf.reward``; the verifier applies ``check``)
@@ -362,7 +366,11 @@ def online_unit(
             f"exceeds rlhf.seq_length={env.seq_length}; lower max_new_tokens or raise seq_length"
         )
     reward = make_reward(
-        st.reward, tokenizer=tok, answers={tuple(p): a for p, a in zip(ids, answers)}, check=check
+        st.reward,
+        tokenizer=tok,
+        answers={tuple(p): a for p, a in zip(ids, answers)},
+        check=check,
+        model=reward_model,  # rlhf.reward=model|both: the frozen reward model (stages.engine.reward_model)
     )
     reference = NamedModel("reference", env.frozen_model(weights="built"), init="init_from")
     unit = GRPOUnit(

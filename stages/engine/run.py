@@ -138,7 +138,13 @@ def train_stage(
     callbacks = None
     try:
         tokenizer = load_tokenizer(data_dir(ctx) / "tokenizer.json")
-        chunks = build_model(cfg.model, par, tokenizer.vocab_size, peft=st.peft)
+        chunks = build_model(
+            cfg.model,
+            par,
+            tokenizer.vocab_size,
+            peft=getattr(st, "peft", None),
+            customize=getattr(step, "customize_model", None),
+        )
         started["model"] = time.time()
         optimizer, scheduler = build_optimizer(chunks, st, par)
         ckpt = Checkpointer(
@@ -179,7 +185,9 @@ def train_stage(
             meter=meter,
         )
         started["data"] = time.time()
-        trainer.restore()
+        trainer.restore(
+            init_weights=not getattr(ckpt, "init_weights_loaded", False)
+        )  # reward_model loaded its backbone
         started["restore"] = time.time()
         if D.is_rank0():
             metrics.write(startup_record(started))

@@ -148,10 +148,62 @@ class ReferenceLogpStep(DPOStep):
         return logp.sum() * 0, pairs, {"logps": logp}
 
 
+class RewardStep:
+    """Bradley–Terry reward-model training: ``loss = -log sigmoid(r(chosen) - r(rejected))`` per pair, with
+    r the scalar head on the final hidden state at the last response token (``stages.engine.reward_model``).
+
+    Chosen and rejected go through the model as one batch of 2b sequences; num_tokens = number of pairs.
+    ``customize_model`` adds the head (``train_stage`` passes it to ``build_model``).
+    """
+
+    name = "reward"
+    sequences_per_sample = 2
+    metric_names: tuple[str, ...] = ("loss", "accuracy", "margin")
+
+    @staticmethod
+    def customize_model(gpt: Any) -> Any:
+        from stages.engine.reward_model import attach_head
+
+        return attach_head(gpt)
+
+    def __call__(
+        self, data_iterator: Iterator[Batch], model: Any
+    ) -> tuple[torch.Tensor, Callable[..., LossOut]]:
+        from stages.engine.model import unwrap
+        from stages.engine.reward_model import last_index, scores
+
+        batch = _next_batch(data_iterator)
+        tokens = batch["tokens"].flatten(0, 1)
+        b, s = tokens.shape
+        output = model(tokens, torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s), None)
+        gpt = unwrap(model)
+        if gpt.post_process:
+            output = scores(gpt, last_index(batch["loss_mask"].flatten(0, 1)))
+        return output, self.loss
+
+    @staticmethod
+    def loss(output: torch.Tensor) -> LossOut:
+        from stages.engine.reward_model import bradley_terry
+
+        rewards = output.float().reshape(-1, 2)
+        loss, correct, margin = bradley_terry(rewards)
+        pairs = torch.tensor(rewards.shape[0], dtype=torch.int, device=rewards.device)
+        return (
+            loss,
+            pairs,
+            {
+                "loss": _report(loss, pairs),
+                "accuracy": _report(correct, pairs),
+                "margin": _report(margin, pairs),
+            },
+        )
+
+
 STEPS: dict[str, Callable[..., Any]] = {
     "pretrain": PretrainStep,
     "sft": SFTStep,
     "dpo": DPOStep,
+    "reward": RewardStep,
 }
 
 

@@ -1,0 +1,191 @@
+"""The reward model: the GPT plus a scalar head, and its frozen use as an RL reward.
+
+Head: ``reward_head`` = ``Linear(hidden_size, 1)`` on the last pipeline stage's GPTModel, applied to the final
+hidden state (after the final norm: the input of the output layer) at each sequence's last token. Without
+sequence parallel that hidden state is replicated over the tensor-parallel ranks and the head is a plain
+(replicated) parameter drawn by its global name, so TP=2 gives the same scores as TP=1. Bradley–Terry:
+``loss = -log sigmoid(r(chosen) - r(rejected))`` (``stages.engine.steps.RewardStep``).
+
+``RewardModel`` loads the reward_model stage's final checkpoint, frozen, and is the callable RL uses:
+``reward_model(prompts, responses) -> float32 array`` (token id lists; a trailing eod of a response is
+dropped, as in training, where the score is read at the last response token before the eod).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+HEAD = "reward_head"
+"""The head's attribute on the GPTModel (its parameters: ``reward_head.weight``, ``reward_head.bias``)."""
+
+
+def attach_head(gpt: Any) -> Any:
+    """Give a GPTModel chunk the scalar head (last pipeline stage only) and keep the output layer's input.
+
+    Call before the weights are drawn (``init_by_global_name`` then draws the head by its global name) and
+    before the DDP wrapper (so the head is trained, reduced and checkpointed like every parameter)."""
+    if not getattr(gpt, "post_process", False) or hasattr(gpt, HEAD):
+        return gpt
+    cfg = gpt.config
+    head = torch.nn.Linear(cfg.hidden_size, 1, bias=True, dtype=cfg.params_dtype)
+    torch.nn.init.zeros_(head.bias)
+    setattr(gpt, HEAD, head)
+
+    def keep_hidden(_module: Any, args: tuple[Any, ...]) -> None:
+        gpt._reward_hidden = args[0]  # [s, b, h]
+
+    gpt.output_layer.register_forward_pre_hook(keep_hidden)
+    return gpt
+
+
+def last_index(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last position whose label is trained ([b, s] mask -> [b]): the hidden state there has read
+    the whole prompt and response (the label there is the closing eod). 0 for a row without one."""
+    s = loss_mask.shape[-1]
+    pos = torch.arange(s, device=loss_mask.device).expand_as(loss_mask)
+    return torch.where(loss_mask > 0, pos, torch.zeros_like(pos)).amax(-1)
+
+
+def scores(gpt: Any, index: torch.Tensor) -> torch.Tensor:
+    """Scalar rewards [b] (fp32) from the hidden states of the last forward pass, read at ``index`` [b]."""
+    hidden = gpt._reward_hidden  # [s, b, h]
+    rows = hidden[index, torch.arange(hidden.shape[1], device=hidden.device)]  # [b, h]
+    head = getattr(gpt, HEAD)
+    return head(rows.to(head.weight.dtype)).squeeze(-1).float()
+
+
+def bradley_terry(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed loss, correct-pair count and summed margin from rewards [b, 2] (chosen, rejected)."""
+    margin = rewards[:, 0] - rewards[:, 1]
+    loss = -torch.nn.functional.logsigmoid(margin).sum()
+    return loss, (margin > 0).float().sum(), margin.sum()
+
+
+def build(model_cfg: Any, par: Any, vocab_size: int, trainable: bool = True) -> list[Any]:
+    """This rank's reward-model chunks (the GPT with the head): DDP-wrapped like any training model, or frozen."""
+    from stages.engine.model import build_model
+
+    return build_model(model_cfg, par, vocab_size, trainable=trainable, customize=attach_head)
+
+
+# ---------------------------------------------------------------------------- the frozen reward model
+
+
+class RewardModel:
+    """A trained reward model, frozen: ``rm(prompts, responses) -> np.ndarray`` (float32, one score each).
+
+    ``prompts`` / ``responses``: token id lists (the prompt as the model saw it, ``<|user|>...<|assistant|>``).
+    Batched forward passes (``batch_size`` sequences) through megatron's forward-only schedule, so any TP/PP
+    layout works; every rank gets every score. Call after ``stages.engine.distributed.init``.
+    """
+
+    def __init__(
+        self,
+        checkpoints: str | Path,
+        model_cfg: Any,
+        par: Any,
+        vocab_size: int,
+        *,
+        pad_id: int,
+        eod_id: int,
+        seq_length: int | None = None,
+        batch_size: int = 16,
+        chunks: list[Any] | None = None,
+    ) -> None:
+        from stages.engine import checkpoint
+
+        root = Path(checkpoints)
+        path = root if (root / checkpoint.MARKER).is_file() else checkpoint.find_latest(root)
+        if path is None:
+            raise ValueError(f"reward model: no verified checkpoint under {root}")
+        self.checkpoint = path
+        self.chunks = chunks if chunks is not None else build(model_cfg, par, vocab_size, trainable=False)
+        checkpoint.load_weights(path, self.chunks)
+        for c in self.chunks:
+            c.eval()
+            for p in c.parameters():
+                p.requires_grad_(False)
+        self.pad, self.eod = pad_id, eod_id
+        self.seq_length = seq_length or model_cfg.seq_length
+        self.batch_size = batch_size
+
+    def rows(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> dict[str, Any]:
+        """Right-padded ``tokens`` [n, s] and the index of each sequence's last token ``index`` [n]."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"reward model: {len(prompts)} prompts but {len(responses)} responses")
+        n, s = len(prompts), self.seq_length
+        tokens = np.full((n, s), self.pad, dtype=np.int64)
+        index = np.zeros(n, dtype=np.int64)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            r = list(r)
+            if r and r[-1] == self.eod:
+                r = r[:-1]
+            ids = (list(p) + r)[-s:]  # the end of a long sequence (its last token is what is scored)
+            tokens[i, : len(ids)] = ids
+            index[i] = max(len(ids) - 1, 0)
+        return {"tokens": tokens, "index": index}
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> np.ndarray:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from stages.engine import distributed as D
+
+        data = self.rows(prompts, responses)
+        n = len(data["tokens"])
+        out = np.zeros(n, dtype=np.float64)
+        bs = self.batch_size
+        batches = [{k: torch.from_numpy(v[i : i + bs]) for k, v in data.items()} for i in range(0, n, bs)]
+        # the schedule needs equal micro batches: the last one is padded with copies of its first row
+        sizes = [len(b["tokens"]) for b in batches]
+        for b in batches:
+            short = bs - len(b["tokens"])
+            if short:
+                b.update({k: torch.cat([v, v[:1].expand(short, *v.shape[1:])]) for k, v in b.items()})
+        if batches:
+            chunks = self.chunks
+            outputs = get_forward_backward_func()(
+                forward_step_func=_score_step,
+                data_iterator=iter(batches) if len(chunks) == 1 else [iter(batches) for _ in chunks],
+                model=chunks if len(chunks) > 1 else chunks[0],
+                num_microbatches=len(batches),
+                seq_length=self.seq_length,
+                micro_batch_size=bs,
+                forward_only=True,
+            )
+            if D.owns_loss() and D.dp_rank() == 0:
+                got = torch.cat([o["scores"][:k] for o, k in zip(outputs, sizes)]).cpu().numpy()
+                out[:] = got
+        return D.all_reduce_sum(out).astype(np.float32)
+
+
+def _score_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+    """Forward-only step of ``RewardModel``: scores on the last stage, hidden states elsewhere."""
+    from stages.engine import distributed as D
+    from stages.engine.model import unwrap
+
+    dev = D.device()
+    batch = {k: v.to(dev) for k, v in next(data_iterator).items()}
+    tokens = batch["tokens"]
+    b, s = tokens.shape
+    pos = torch.arange(s, device=dev).unsqueeze(0).expand(b, s)
+    out = model(tokens, pos, None)
+    gpt = unwrap(model)
+    if not gpt.post_process:
+        return out, _no_loss
+    r = scores(gpt, batch["index"])
+    return r, _scores_out
+
+
+def _no_loss(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    return output.sum() * 0, torch.tensor(1, dtype=torch.int, device=output.device), {}
+
+
+def _scores_out(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    count = torch.tensor(output.shape[0], dtype=torch.int, device=output.device)
+    return output.sum() * 0, count, {"scores": output.detach()}

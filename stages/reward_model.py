@@ -1,0 +1,59 @@
+"""Reward model (opt-in, between sft and rlhf): Bradley–Terry on preference pairs with a scalar head.
+
+Starts from the SFT model (``reward_model.init_from: auto``; the head, which SFT has not, starts as drawn by its
+global name), trains on the same pairs DPO uses (users' ``data.pref_paths`` when given, else the generated
+``pref_train.jsonl``) with ``stages.engine.steps.RewardStep``, and validates on the held-out ``eval_pref.jsonl``
+(``valid`` lines: loss and accuracy). Metrics per step: loss, accuracy, margin (r(chosen) - r(rejected)).
+The final checkpoint is what ``stages.engine.reward_model.RewardModel`` loads for RL and eval scores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.config import PipelineConfig, TrainStage
+from stages.context import StageContext
+
+
+def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
+    from stages.engine.reward_model import HEAD
+    from stages.engine.run import data_dir, train_stage
+    from stages.engine.steps import make_step
+
+    def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
+        from stages.engine.data import preference_source
+
+        if ckpt.init_from is not None:  # the SFT weights without a head: the head keeps its drawn values
+            _load_backbone(ckpt, chunks, (HEAD,))
+        d = data_dir(ctx)
+        held_out = preference_source(d / "eval_pref.jsonl", tokenizer, seq_length, st.seed)
+        return _preferences(d, tokenizer, seq_length, st.seed), held_out
+
+    return train_stage(cfg, ctx, step=make_step("reward"), sources=sources)
+
+
+def _preferences(d: Any, tokenizer: Any, seq_length: int, seed: int) -> Any:
+    """Users' pairs (data.pref_paths, rendered by data_prep) when given, else the generated pref_train.jsonl."""
+    from stages.engine.data import preference_source, read_manifest
+
+    chat_file = read_manifest(d, verify=False).get("pref_file")
+    if chat_file:
+        from stages.engine.chat import chat_preference_source
+
+        return chat_preference_source(d / chat_file, tokenizer, seq_length, seed)
+    return preference_source(d / "pref_train.jsonl", tokenizer, seq_length, seed)
+
+
+def _load_backbone(ckpt: Any, chunks: list, fresh: tuple[str, ...]) -> None:
+    from pipeline.hf_arch import is_hf_dir
+    from stages.engine import checkpoint
+
+    if is_hf_dir(ckpt.init_from):  # a Hugging Face model: its loader fills the GPT's own weights only
+        ckpt.load_init_weights(chunks)
+    else:
+        root = ckpt.init_from
+        path = root if (root / checkpoint.MARKER).is_file() else checkpoint.find_latest(root)
+        if path is None:
+            raise ValueError(f"reward_model.init_from={root}: no complete checkpoint there")
+        checkpoint.load_weights(path, chunks, fresh=fresh)
+    ckpt.init_weights_loaded = True
