@@ -339,6 +339,7 @@ def test_checkpoint_estimate_from_bytes_per_rank_and_bandwidth() -> None:
     over = ["model=llama3.1-8b", "cluster=gpu_ib", "run.stages=[pretrain]", "pretrain.parallel.tp=8"]
     over += ["pretrain.parallel.nodes=2", "pretrain.parallel.precision=bf16", "cluster.fs_bandwidth_gb_s=4"]
     over += ["pretrain.parallel.micro_batch_size=1", "pretrain.parallel.global_batch_size=16"]
+    over += ["planner.checksum_gb_s=1.5"]  # a slow hash (sha256's speed): one process is bound by it
     cfg = compose_config(over)
     ck = estimate_stage(cfg, "pretrain").checkpoint
     assert ck is not None
