@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a LoRA stage: a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) for "
         "its base model (a Hugging Face base is referenced, a checkpoint base is exported into <out>/base)",
     )
+    ap.set_defaults(peft=False)  # else the first action (store_false) makes --peft the default
     args = ap.parse_args(argv)
     run_dir = args.run_dir.resolve()
     try:
