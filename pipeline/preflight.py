@@ -28,7 +28,7 @@ from pipeline.config import (
     run_dir_for,
     stage_hashes,
 )
-from pipeline.graph import order, upstream
+from pipeline.graph import order, required
 
 Check = Callable[[PipelineConfig, str], None]
 CHECKS: dict[str, list[Check]] = {}
@@ -107,7 +107,9 @@ def _upstream_outputs(cfg: PipelineConfig, stage: str) -> None:
     """An upstream stage left out of run.stages must be completed, with this config, in the run directory."""
     from pipeline.ledger import COMPLETED, Ledger
 
-    missing = [u for u in upstream(stage) if u not in cfg.run.stages]
+    missing = [
+        u for u in required(stage, cfg) if u not in cfg.run.stages
+    ]  # init_from: a path needs no upstream weights
     if not missing:
         return
     ledger, hashes = Ledger(run_dir_for(cfg)), stage_hashes(cfg)

@@ -199,6 +199,48 @@ def sft_record(p: Problem) -> dict[str, str]:
     return {"prompt": p.prompt, "response": p.answer}
 
 
+def systematic_error(p: Problem) -> str | None:
+    """The wrong answer a noisy demonstrator writes for ``p``, or None if ``p`` is outside the noisy class.
+
+    The noisy class is about half of the problems, and the error is one fixed near miss per problem, so a
+    model trained on the noisy demonstrations learns it as the most likely answer there:
+
+    - ``counting``: odd numbers; the demonstrator writes the number itself ("What comes after 47?" -> "47",
+      the fencepost slip), so correct and wrong answers differ only in the last digit.
+    - ``arithmetic``: problems with a carry (addition) or a borrow (subtraction); the carry is dropped
+      ("What is 27 + 15?" -> "32").
+    """
+    if p.op == "after":
+        return str(p.a) if p.a % 2 == 1 else None
+    wrong = _carry_dropped(p)
+    return None if wrong == p.value else str(wrong)
+
+
+def noisy_sft_records(
+    problems: list[Problem], noise: float, rng: np.random.Generator
+) -> tuple[list[dict[str, str]], int]:
+    """SFT records where each problem of the noisy class gets :func:`systematic_error`'s answer with
+    probability ``noise`` (the rest stay correct); returns the records and how many are wrong.
+
+    With ``noise > 0.5`` greedy decoding of the SFT model picks the wrong answer on the noisy class while the
+    right one keeps about ``1 - noise`` of the sampled answers: a verifier reward (RL) can find and
+    reinforce it, imitation of the same data cannot. One draw per problem, in order, whatever the class,
+    so the records depend only on the seed and ``noise``.
+    """
+    if not 0.0 <= noise <= 1.0:
+        raise ValueError(f"noise={noise}: must be in [0, 1]")
+    draws = rng.random(len(problems))
+    records, wrong = [], 0
+    for p, u in zip(problems, draws, strict=True):
+        error = systematic_error(p)
+        if error is not None and u < noise:
+            records.append({"prompt": p.prompt, "response": error})
+            wrong += 1
+        else:
+            records.append(sft_record(p))
+    return records, wrong
+
+
 def pref_record(p: Problem, rng: np.random.Generator) -> dict[str, str]:
     _, wrong = near_miss(p, rng)
     return {"prompt": p.prompt, "chosen": p.answer, "rejected": wrong}
