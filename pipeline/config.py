@@ -541,9 +541,9 @@ class TrainStage:
     checkpoint_verify: str = "full"
     """How a resume checks the newest checkpoint, each rank its own files in parallel: full (every byte against the marker's sha256), sampled (sizes plus 8 sampled 4 MiB blocks per file), sizes."""
     beta: float = num(0.1, gt=0)
-    """DPO: strength of the KL anchor to the reference model (rlhf only)."""
+    """Strength of the KL anchor to the frozen reference model (rlhf only): DPO's beta; GRPO's KL penalty coefficient (k3 estimator)."""
     algorithm: str = "dpo"
-    """rlhf algorithm: dpo (others plug in here later)."""
+    """rlhf algorithm: dpo (offline, preference pairs) or grpo (online: sampling, rewards, clipped policy loss)."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """TensorBoard / W&B sinks and alarm thresholds (no effect on results)."""
 
@@ -558,7 +558,55 @@ class TrainStage:
             _fail("min_lr", self.min_lr, f"must be <= lr={self.lr}")
         if self.init_from is not None and not str(self.init_from).strip():
             _fail("init_from", self.init_from, "auto, a checkpoint path, or null (random init)")
-        _choice("algorithm", self.algorithm, ("dpo",))
+        _choice("algorithm", self.algorithm, RLHF_ALGORITHMS)
+
+
+RLHF_ALGORITHMS = ("dpo", "grpo")
+REWARDS = ("verifier", "model", "both")
+
+
+@dataclass
+class RLHFStage(TrainStage):
+    """The rlhf stage: the training-stage keys plus the online-RL ones (read when algorithm=grpo).
+
+    GRPO step: global_batch_size sampled responses = global_batch_size / group_size prompts x group_size
+    samples; iters, warmup_iters and the LR schedule count these rollout steps.
+    """
+
+    reward: str = "verifier"
+    """Reward source of online RL: verifier (the task checker, stages/tasks.py: 1 for the right answer, else 0); model (a trained reward model) and both need the reward-model stage, which this version does not have yet."""
+    group_size: int = num(4, ge=2)
+    """GRPO: samples per prompt (G); advantages are rewards normalised within each prompt's group. parallel.global_batch_size must be a multiple."""
+    temperature: float = num(1.0, gt=0)
+    """Sampling temperature of the rollouts (the policy's log-probs in the loss use the same temperature)."""
+    top_p: float = num(1.0, gt=0, le=1)
+    """Nucleus sampling of the rollouts (1: off)."""
+    max_new_tokens: int = num(8, ge=1)
+    """Longest sampled response (tokens, before the closing eod); prompt + response must fit seq_length."""
+    clip_eps: float = num(0.2, gt=0, lt=1)
+    """PPO-style clip of the probability ratio to [1 - clip_eps, 1 + clip_eps]."""
+    ppo_epochs: int = num(1, ge=1)
+    """Optimizer updates over each rollout batch (the first is on-policy; later ones use the clipped ratio)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("reward", self.reward, REWARDS)
+        if self.algorithm == "dpo":
+            return
+        if self.reward in ("model", "both"):
+            _fail(
+                "reward",
+                self.reward,
+                "needs the reward-model stage (a trained reward model), which this version does not have; "
+                "use reward=verifier",
+            )
+        gbs = self.parallel.global_batch_size
+        if gbs % self.group_size:
+            _fail(
+                "parallel.global_batch_size",
+                gbs,
+                f"must be a multiple of group_size={self.group_size} (responses per step = prompts x group_size)",
+            )
 
 
 @dataclass
@@ -645,7 +693,7 @@ class PipelineConfig:
     data_prep: DataPrepStage = field(default_factory=DataPrepStage)
     pretrain: TrainStage = field(default_factory=TrainStage)
     sft: TrainStage = field(default_factory=TrainStage)
-    rlhf: TrainStage = field(default_factory=TrainStage)
+    rlhf: RLHFStage = field(default_factory=RLHFStage)
     eval: EvalStage = field(default_factory=EvalStage)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
@@ -703,6 +751,7 @@ _DATACLASSES: dict[str, type] = {
         DataSource,
         DataPrepStage,
         TrainStage,
+        RLHFStage,
         EvalStage,
         RunConfig,
         PlannerConfig,

@@ -17,6 +17,7 @@ SECTIONS = (
     ("data.sources[i]", "DataSource"),
     ("data_prep", "DataPrepStage"),
     ("pretrain / sft / rlhf", "TrainStage"),
+    ("rlhf (besides the TrainStage keys)", "RLHFStage"),
     ("<stage>.parallel", "ParallelConfig"),
     ("<train stage>.monitor", "MonitorConfig"),
     ("eval", "EvalStage"),

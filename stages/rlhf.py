@@ -1,8 +1,14 @@
-"""Preference optimisation (DPO) of the SFT model against itself, frozen, as the reference.
+"""RLHF of the SFT model: offline DPO, or online GRPO with generation in the loop (``rlhf.algorithm``).
 
-Before training, the starting weights (init_from) score every preference pair the run will use, once,
-with a no-grad forward pass; the log-probs are cached in ``out_dir/reference_logps.npy`` so a resumed job
-(whose weights are no longer the reference) reuses them. The step then needs only the policy.
+Both run on the engine's one loop through a training unit (stages.engine.units):
+
+- ``dpo``: the frozen reference (a frozen copy of the starting weights, ``init_from``) scores every
+  preference pair the run will use, once, before training; the log-probs are cached in
+  ``out_dir/reference_logps.npy`` so a resumed job reuses them, and the frozen copy is freed. The step
+  then needs only the policy.
+- ``grpo``: per step, prompts from the task's prompt stream, ``group_size`` samples each from the policy
+  (stages.engine.generate), rewards from ``rlhf.reward`` (stages.engine.rewards), group-normalised
+  advantages, a clipped policy loss with a KL penalty to the frozen reference (stages.engine.rl).
 """
 
 from __future__ import annotations
@@ -20,18 +26,26 @@ REFERENCE_FILE = "reference_logps.npy"
 
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
-    from stages.engine.run import data_dir, train_stage
-    from stages.engine.steps import make_step
+    from stages.engine.run import train_stage
 
-    def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
-        from stages.engine.trainer import WithReference
+    algorithm = cfg.rlhf.algorithm
+    if algorithm == "dpo":
+        from stages.engine.steps import make_step
 
-        prefs = _preferences(data_dir(ctx), tokenizer, seq_length, st.seed)
-        ref = _reference(ctx.out_dir / REFERENCE_FILE, prefs, st, seq_length, chunks, ckpt)
-        return WithReference(prefs, ref, 0), None
+        return train_stage(cfg, ctx, step=make_step("dpo", beta=cfg.rlhf.beta), unit=_dpo_unit)
+    from stages.engine import rl
 
-    step = make_step(cfg.rlhf.algorithm, beta=cfg.rlhf.beta)
-    return train_stage(cfg, ctx, step=step, sources=sources)
+    return train_stage(cfg, ctx, step=rl.make_online_step(cfg.rlhf), unit=rl.online_unit)
+
+
+def _dpo_unit(env: Any) -> tuple[Any, None]:
+    from stages.engine.run import data_dir
+    from stages.engine.trainer import WithReference
+    from stages.engine.units import TrainUnit
+
+    prefs = _preferences(data_dir(env.ctx), env.tokenizer, env.seq_length, env.stage.seed)
+    ref = _reference(env.ctx.out_dir / REFERENCE_FILE, prefs, env)
+    return TrainUnit(WithReference(prefs, ref, 0)), None
 
 
 def _preferences(d: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
@@ -46,18 +60,19 @@ def _preferences(d: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
     return preference_source(d / "pref_train.jsonl", tokenizer, seq_length, seed)
 
 
-def _reference(
-    path: Path, prefs: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any
-) -> np.ndarray:
-    """Reference log-probs [iters * G, 2]: from the cache, or computed with the init_from weights."""
+def _reference(path: Path, prefs: Any, env: Any) -> np.ndarray:
+    """Reference log-probs [iters * G, 2]: from the cache, or computed by a frozen copy of the init_from weights."""
     from stages.engine import distributed as D
     from stages.engine.trainer import reference_logps
 
+    st: TrainStage = env.stage
     rows = st.iters * st.parallel.global_batch_size
     if D.any_rank(not path.is_file()):
-        ckpt.load_init_weights(chunks)
-        ckpt.init_weights_loaded = True
-        ref = reference_logps(chunks, prefs, first_step=0, steps=st.iters, stage=st, seq_length=seq_length)
+        reference = env.frozen_model()
+        ref = reference_logps(
+            reference, prefs, first_step=0, steps=st.iters, stage=st, seq_length=env.seq_length
+        )
+        del reference
         if D.is_rank0():
             _save_atomic(path, ref)
         D.barrier()

@@ -353,8 +353,13 @@ def save(
     async_save: bool = False,
     final: bool = False,
     keep_incomplete: int = 1,
+    models: dict[str, tuple[list, Any, Any]] | None = None,
 ) -> Path:
     """Save a checkpoint of ``iteration`` under ``ckpt_root``; collective over all ranks.
+
+    ``models``: other trained models of the unit (stages.engine.units), name -> (chunks, optimizer,
+    scheduler); each gets its own part (``<name>.model``, ``<name>.optimizer``, tensors keyed
+    ``<name>.<param>``; its schedule in the common state's ``schedulers``).
 
     ``state`` holds the trainer's resumable values (``consumed_samples``, ...): plain values, equal on
     every rank. ``final=True`` marks the stage's last checkpoint, which retention always keeps besides the
@@ -374,12 +379,15 @@ def save(
     ckpt_root = Path(ckpt_root)
     target = ckpt_root / iter_dir_name(iteration)
     common = _common_state(iteration, scheduler, state)
+    common["schedulers"] = {
+        n: sch.state_dict() for n, (_, _, sch) in (models or {}).items() if sch is not None
+    }
     rng = _rng_state()
     tmp = Path(
         _on_rank0(lambda: str(_make_tmp_dir(ckpt_root, iteration)), f"creating a temp dir in {ckpt_root}")
     )
     optim_fix.apply()
-    sharded = _sharded_state_dict(model_chunks, optimizer, is_loading=False)
+    sharded = _sharded_state_dict(model_chunks, optimizer, is_loading=False, models=models)
     sharded[_COMMON_KEY] = common
     start = time.monotonic()
     is_async = async_save and not final
@@ -675,8 +683,17 @@ def _prune(ckpt_root: Path, keep_last: int) -> None:
 # ---------------------------------------------------------------------------- load
 
 
-def load(path: Path, *, model_chunks: list, optimizer: Any = None, scheduler: Any = None) -> dict:
+def load(
+    path: Path,
+    *,
+    model_chunks: list,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    models: dict[str, tuple[list, Any, Any]] | None = None,
+) -> dict:
     """Restore model, optimizer, scheduler and RNG states from checkpoint ``path``; collective.
+
+    ``models``: the other trained models saved with it (``save``'s ``models``), restored from their parts.
 
     The parallel layout may differ from the saving run's (dist_checkpointing reshards TP/PP/DP); RNG
     states are then left as they are (a warning says so). Returns the saved ``state`` dict with
@@ -688,12 +705,19 @@ def load(path: Path, *, model_chunks: list, optimizer: Any = None, scheduler: An
     _require_committed(path)
     optim_fix.apply()
     start = time.monotonic()
-    loaded = _dist_load(_sharded_state_dict(model_chunks, optimizer, is_loading=True), path)
+    loaded = _dist_load(_sharded_state_dict(model_chunks, optimizer, is_loading=True, models=models), path)
     _load_model(model_chunks, loaded, path)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     common = loaded[_COMMON_KEY]
     _load_scheduler(scheduler, common, path)
+    for name, (chunks, opt, sch) in (models or {}).items():
+        _load_model(chunks, loaded, path, name=name)
+        if opt is not None:
+            opt.load_state_dict(loaded[f"{name}.optimizer"])
+        if sch is not None:
+            saved = common.get("schedulers", {}).get(name)
+            _load_scheduler(sch, {"scheduler": saved}, path)
     _restore_rng(path)
     _warn_thread_count(common, path)
     log.info("loaded %s in %.2f s", path, time.monotonic() - start)
@@ -725,14 +749,18 @@ def _require_committed(path: Path) -> None:
     check_loads_without_code(path)
 
 
-def _load_model(model_chunks: list, loaded: dict, path: Path) -> None:
+def _load_model(model_chunks: list, loaded: dict, path: Path, name: str | None = None) -> None:
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(list(model_chunks))
+    prefix = f"{name}." if name else ""
     for i, chunk in enumerate(chunks):
-        key = _model_key(i, len(chunks))
+        key = prefix + _model_key(i, len(chunks))
         try:
-            chunk.load_state_dict(loaded[key], strict=True)
+            state = loaded[key]
+            if prefix:
+                state = {k.removeprefix(prefix): v for k, v in state.items()}
+            chunk.load_state_dict(state, strict=True)
         except (KeyError, RuntimeError) as e:
             raise CheckpointError(f"{path}: model chunk {key!r} does not load: {e}") from e
 
@@ -762,17 +790,36 @@ def _model_key(index: int, count: int) -> str:
     return "model" if count == 1 else f"model{index}"
 
 
-def _sharded_state_dict(model_chunks: list, optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
+def _sharded_state_dict(
+    model_chunks: list,
+    optimizer: Any,
+    *,
+    is_loading: bool,
+    models: dict[str, tuple[list, Any, Any]] | None = None,
+) -> dict[str, Any]:
+    sharded = _model_part(model_chunks, optimizer, is_loading, "")
+    for name, (chunks, opt, _) in (models or {}).items():
+        if not name or "." in name or name in ("model", "optimizer", _COMMON_KEY):
+            raise CheckpointError(f"model name {name!r}: a plain name without dots, not model/optimizer")
+        sharded.update(_model_part(chunks, opt, is_loading, name))
+    return sharded
+
+
+def _model_part(model_chunks: list, optimizer: Any, is_loading: bool, name: str) -> dict[str, Any]:
+    """One model's part: ``[<name>.]model[i]`` (tensor keys prefixed ``<name>.``) and its optimizer."""
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(list(model_chunks))
-    sharded: dict[str, Any] = {
-        _model_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)
+    prefix = f"{name}." if name else ""
+    part: dict[str, Any] = {
+        prefix + _model_key(i, len(chunks)): c.sharded_state_dict(prefix=prefix) for i, c in enumerate(chunks)
     }
     if optimizer is not None:
         metadata = _DISTOPT_METADATA if _is_distributed_optimizer(optimizer) else None
-        sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=is_loading, metadata=metadata)
-    return sharded
+        part[prefix + "optimizer"] = optimizer.sharded_state_dict(
+            part, is_loading=is_loading, metadata=metadata
+        )
+    return part
 
 
 def _is_distributed_optimizer(optimizer: Any) -> bool:

@@ -147,10 +147,13 @@ def _set_core_attention(spec: Any, backend: str) -> None:
     spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend)
 
 
-def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> list[Any]:
+def build_model(
+    model: ModelConfig, par: ParallelConfig, vocab_size: int, trainable: bool = True
+) -> list[Any]:
     """This rank's model chunks (len = vpp or 1), in DDP, ready for get_megatron_optimizer.
 
-    ``vocab_size`` is the tokenizer's (or model.vocab_size); it is padded here.
+    ``vocab_size`` is the tokenizer's (or model.vocab_size); it is padded here. ``trainable=False``: a
+    frozen model (an RL reference): no DDP wrapper and no gradient buffers, gradients off, eval mode.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -171,9 +174,16 @@ def build_model(model: ModelConfig, par: ParallelConfig, vocab_size: int) -> lis
         module.to(D.device())
         if par.precision != "fp32":
             module = Float16Module(config, module)
+        if not trainable:
+            module.requires_grad_(False)
+            module.eval()
+            wrapped.append(module)
+            continue
         ddp = DistributedDataParallel(config, ddp_config, module, disable_bucketing=i > 0)
         ddp.broadcast_params()
         wrapped.append(ddp)
+    if not trainable:
+        return wrapped
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [m.no_sync for m in wrapped] if chunks > 1 else wrapped[0].no_sync
     if par.overlap_grad_reduce:

@@ -2,13 +2,17 @@
 
 ``train_stage(cfg, ctx, step=..., sources=...)`` is the body of stages/pretrain.py, sft.py and rlhf.py;
 ``sources(tokenizer, stage, seq_length, chunks, checkpointer)`` returns ``(train_source, valid_source)``
-after distributed init and model build (DPO uses the model to precompute reference log-probs).
+after distributed init and model build. A stage whose step trains more than one sample source's worth
+(rlhf: DPO's reference, GRPO's rollouts) passes ``unit=`` instead: ``unit(env: StageEnv)`` returns
+``(TrainUnit, valid_source)`` (stages.engine.units); ``env.frozen_model()`` builds a frozen copy of the model
+holding the stage's starting weights (init_from), through the same checkpointer the policy uses.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,30 @@ from pipeline.graph import weights_upstream
 from stages.context import MetricsWriter, StageContext
 
 Sources = Callable[..., tuple[Any, Any]]
+
+
+@dataclass
+class StageEnv:
+    """What a unit factory (``train_stage(unit=...)``) gets: built after distributed init and the policy."""
+
+    cfg: PipelineConfig
+    ctx: StageContext
+    stage: TrainStage
+    tokenizer: Any
+    seq_length: int
+    policy: list[Any]
+    """The trained policy's chunks (its weights are loaded later, by the trainer's restore)."""
+    checkpointer: Any
+
+    def frozen_model(self, weights: str = "init_from") -> list[Any]:
+        """A frozen model of the same architecture and layout: ``init_from`` weights (the policy before
+        training; as built when the stage has no init_from), or ``built`` (as built: the seed's init)."""
+        from stages.engine.model import build_model
+
+        chunks = build_model(self.cfg.model, self.stage.parallel, self.tokenizer.vocab_size, trainable=False)
+        if weights == "init_from":
+            self.checkpointer.load_init_weights(chunks)
+        return chunks
 
 
 def resolve_init_from(cfg: PipelineConfig, ctx: StageContext) -> Path | None:
@@ -78,7 +106,14 @@ def data_dir(ctx: StageContext) -> Path:
     return ctx.inputs["data_prep"]
 
 
-def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: Sources) -> dict[str, Any]:
+def train_stage(
+    cfg: PipelineConfig,
+    ctx: StageContext,
+    *,
+    step: Any,
+    sources: Sources | None = None,
+    unit: Callable[[StageEnv], tuple[Any, Any]] | None = None,
+) -> dict[str, Any]:
     """Run one training stage on this rank; returns rank-0 outputs (checkpoint, final_loss, steps, ...)."""
     from stages.engine import distributed as D
     from stages.engine.callbacks.setup import flops_per_step, peak_tflops, stage_callbacks
@@ -111,7 +146,15 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
         )
         ckpt.keep_incomplete = st.keep_incomplete
         seq_length = st.seq_length or cfg.model.seq_length
-        train_source, valid_source = sources(tokenizer, st, seq_length, chunks, ckpt)
+        train_unit = None
+        if unit is not None:
+            env = StageEnv(cfg, ctx, st, tokenizer, seq_length, chunks, ckpt)
+            train_unit, valid_source = unit(env)
+            train_source = train_unit.source
+        elif sources is not None:
+            train_source, valid_source = sources(tokenizer, st, seq_length, chunks, ckpt)
+        else:
+            raise ValueError("train_stage: give sources or unit")
         metrics = MetricsWriter(ctx.metrics_path, enabled=D.is_rank0())
         callbacks = stage_callbacks(cfg, ctx, st, metrics, D.rank(), D.world_size())
         flops = flops_per_step(cfg, st, seq_length, tokenizer.vocab_size, step.sequences_per_sample)
@@ -125,6 +168,7 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
             seq_length=seq_length,
             train_source=train_source,
             valid_source=valid_source,
+            unit=train_unit,
             metrics=metrics,
             checkpointer=ckpt,
             faults=FaultInjector(ctx.out_dir, D.rank()),
@@ -134,7 +178,7 @@ def train_stage(cfg: PipelineConfig, ctx: StageContext, *, step: Any, sources: S
             meter=meter,
         )
         started["data"] = time.time()
-        trainer.restore(init_weights=not ckpt.init_weights_loaded)
+        trainer.restore()
         started["restore"] = time.time()
         if D.is_rank0():
             metrics.write(startup_record(started))

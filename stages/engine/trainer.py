@@ -33,6 +33,7 @@ from stages.engine.faults import FaultInjector
 from stages.engine.meter import StepMeter
 from stages.engine.signals import Preempted, StopFlag, Watchdog
 from stages.engine.steps import Batch, ReferenceLogpStep
+from stages.engine.units import NamedModel, TrainUnit
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,34 @@ def micro_batches(source: SampleSource, step: int, global_batch: int, micro_batc
     return out
 
 
+def run_micro_batches(
+    chunks: list[Any],
+    step: Any,
+    batches: list[Batch],
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool,
+) -> list[dict[str, torch.Tensor]]:
+    """Run ``step`` over ``batches`` with megatron's schedule (no pipelining, 1F1B or interleaved).
+
+    ``forward_only``: no backward (scoring: reference log-probs, old log-probs, evaluation). Returns what the
+    step's loss function reported per micro batch (on the last pipeline stage; empty elsewhere).
+    ``micro_batch_size``: sequences per micro batch as the model sees them (DPO: 2 x pairs).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(  # type: ignore[no-any-return]
+        forward_step_func=step,
+        data_iterator=_iterators(batches, len(chunks)),
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
 def _iterators(batches: list[Batch], chunks: int) -> Iterator[Batch] | list[Iterator[Batch]]:
     """One iterator, or one per virtual pipeline chunk (each chunk walks all micro batches)."""
     return iter(batches) if chunks == 1 else [iter(batches) for _ in range(chunks)]
@@ -138,20 +167,32 @@ class Checkpointer:
         """Consecutive failed saves that stop the run."""
         self.keep_incomplete = 1
         """Temp dirs of crashed saves kept (newest first); older ones are deleted at resume and after saves."""
-        self.init_weights_loaded = False
-        """Set when the caller already loaded init_from (rlhf does, for the reference pass)."""
 
     def restore(
-        self, chunks: list[Any], optimizer: Any, scheduler: Any, init_weights: bool = True
+        self,
+        chunks: list[Any],
+        optimizer: Any,
+        scheduler: Any,
+        init_weights: bool = True,
+        models: dict[str, NamedModel] | None = None,
     ) -> dict[str, Any] | None:
-        """Resume from the newest good checkpoint under root (full state, returned); else load init_from weights."""
+        """Resume from the newest good checkpoint under root (full state, returned); else load init_from weights.
+
+        ``models``: the unit's other trained models (each restored from its own part of the checkpoint).
+        """
         from stages.engine import checkpoint
 
         checkpoint.prune_incomplete(self.root, self.keep_incomplete)
         latest = checkpoint.find_latest(self.root)
         if latest is not None:
             return dict(
-                checkpoint.load(latest, model_chunks=chunks, optimizer=optimizer, scheduler=scheduler)
+                checkpoint.load(
+                    latest,
+                    model_chunks=chunks,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    models=_parts(models),
+                )
             )
         if init_weights:
             self.load_init_weights(chunks)
@@ -190,6 +231,7 @@ class Checkpointer:
         optimizer: Any,
         scheduler: Any,
         state: dict,
+        models: dict[str, NamedModel] | None = None,
     ) -> None:
         """Save at every ``save_interval``, at the final step, and when ``force`` (a stop request).
 
@@ -209,6 +251,7 @@ class Checkpointer:
                 state,
                 final=final,
                 async_save=self.async_save and not force,
+                models=models,
             )
             self.failures = 0
         except WRITE_FAILURES as e:  # CheckpointError, OSError, torch's CheckpointException (a full disk)
@@ -235,6 +278,7 @@ class Checkpointer:
         state: dict,
         final: bool = False,
         async_save: bool = False,
+        models: dict[str, NamedModel] | None = None,
     ) -> Path:
         from stages.engine import checkpoint
 
@@ -250,6 +294,7 @@ class Checkpointer:
             keep_incomplete=self.keep_incomplete,
             final=final,
             async_save=async_save,
+            models=_parts(models),
         )
         self.save_seconds.append(time.time() - t0)
         return self.last_saved
@@ -268,7 +313,9 @@ class Checkpointer:
         if pending > checkpoint.pending_async():
             self.finalize_seconds.append(time.time() - t0)
 
-    def reload_latest(self, chunks: list[Any], optimizer: Any, scheduler: Any) -> dict[str, Any] | None:
+    def reload_latest(
+        self, chunks: list[Any], optimizer: Any, scheduler: Any, models: dict[str, NamedModel] | None = None
+    ) -> dict[str, Any] | None:
         """Full state of the newest good checkpoint (a rollback), after committing any save in flight; None if none."""
         from stages.engine import checkpoint
 
@@ -276,7 +323,18 @@ class Checkpointer:
         latest = checkpoint.find_latest(self.root)
         if latest is None:
             return None
-        return dict(checkpoint.load(latest, model_chunks=chunks, optimizer=optimizer, scheduler=scheduler))
+        return dict(
+            checkpoint.load(
+                latest, model_chunks=chunks, optimizer=optimizer, scheduler=scheduler, models=_parts(models)
+            )
+        )
+
+
+def _parts(models: dict[str, NamedModel] | None) -> dict[str, tuple[list[Any], Any, Any]] | None:
+    """The trained named models as checkpoint parts: name -> (chunks, optimizer, scheduler)."""
+    if not models:
+        return None
+    return {n: (m.chunks, m.optimizer, m.scheduler) for n, m in models.items()}
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -294,8 +352,9 @@ class Trainer:
         *,
         stage: TrainStage,
         seq_length: int,
-        train_source: SampleSource,
+        train_source: SampleSource | None = None,
         valid_source: SampleSource | None = None,
+        unit: TrainUnit | None = None,
         metrics: MetricsWriter | None = None,
         checkpointer: Checkpointer | None = None,
         faults: FaultInjector | None = None,
@@ -313,6 +372,11 @@ class Trainer:
         self.chunks, self.optimizer, self.scheduler, self.step = chunks, optimizer, scheduler, step
         self.stage, self.seq_length = stage, seq_length
         self.train_source, self.valid_source = train_source, valid_source
+        if unit is None and train_source is None:
+            raise ValueError("Trainer: give train_source or a unit")
+        self.unit = unit or TrainUnit(train_source)
+        """What each step trains (stages.engine.units): the updates of a step, other named models, their state."""
+        self.unit.bind(self)
         self.metrics = metrics or MetricsWriter(Path("/dev/null"), enabled=False)
         self.checkpointer = checkpointer
         self.faults, self.stop_flag, self.watchdog = faults, stop_flag, watchdog
@@ -345,14 +409,10 @@ class Trainer:
     def _forward_backward(
         self, batches: list[Batch], forward_only: bool, step: Any = None
     ) -> list[dict[str, torch.Tensor]]:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        chunks = self.chunks
-        return get_forward_backward_func()(  # type: ignore[no-any-return]
-            forward_step_func=step or self.step,
-            data_iterator=_iterators(batches, len(chunks)),
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=len(batches),
+        return run_micro_batches(
+            self.chunks,
+            step or self.step,
+            batches,
             seq_length=self.seq_length,
             micro_batch_size=self.stage.parallel.micro_batch_size * self.step.sequences_per_sample,
             forward_only=forward_only,
@@ -369,26 +429,41 @@ class Trainer:
         return {k: (s, c) for k, (s, c) in sums.items()}
 
     def train_step(self, step: int) -> dict[str, float]:
-        """One optimizer step at global step ``step``; returns globally reduced metrics."""
+        """One global step ``step``: the unit's updates (each an optimizer step); globally reduced metrics.
+
+        The LR schedule advances once per global step when an update was applied. A bad update (nan_policy)
+        ends the step's remaining updates; its verdict is handled by the loop.
+        """
         if step + 1 in self.skipped_steps:
             return self._skip_known(step)
-        for chunk in self.chunks:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
         par = self.stage.parallel
-        with self.meter.time("data"):
-            batches = micro_batches(self.train_source, step, par.global_batch_size, par.micro_batch_size)
-        with self.meter.time("fwd_bwd"):
-            outputs = self._forward_backward(batches, False, _poisoned(self.step) if self._poison else None)
+        updates = self.unit.updates(step)
         lr = float(self.optimizer.param_groups[0]["lr"])
         overflows = self.overflow_steps
-        with self.meter.time("optimizer"):
-            ok, grad_norm = self._judged_optimizer_step(outputs)
-        if ok:
+        sums: dict[str, list[float]] = {}
+        applied, grad_norm = False, None
+        for batches in updates:
+            for chunk in self.chunks:
+                chunk.train()
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            with self.meter.time("fwd_bwd"):
+                outputs = self._forward_backward(
+                    batches, False, _poisoned(self.step) if self._poison else None
+                )
+            with self.meter.time("optimizer"):
+                ok, grad_norm = self._judged_optimizer_step(outputs)
+            applied = applied or ok
+            for k, (s, c) in self._sums(outputs).items():
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += s
+                acc[1] += c
+            if self.verdict is not None and self.verdict.get("reason") is not None:
+                break
+        if applied:
             self.scheduler.step(increment=1)
-        sums = self._sums(outputs)
-        out = D.reduce_metrics({n: sums.get(n, (0.0, 0.0)) for n in self.step.metric_names})
+        out = D.reduce_metrics({n: tuple(sums.get(n, (0.0, 0.0))) for n in self.step.metric_names})
+        out.update(self.unit.metrics())
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["lr"] = lr
         if par.precision == "fp16":
@@ -482,9 +557,12 @@ class Trainer:
         self.skipped_steps.add(step)
         if self.checkpointer is None:
             return None
-        state = self.checkpointer.reload_latest(self.chunks, self.optimizer, self.scheduler)
+        state = self.checkpointer.reload_latest(
+            self.chunks, self.optimizer, self.scheduler, models=self.unit.trained_models()
+        )
         if state is None:
             return None
+        self.unit.load_state(state.get("unit", {}))
         self.iteration = int(state["iteration"])
         self.skipped_steps |= set(state.get("skipped_steps", []))
         self.guard.norms = [float(x) for x in state.get("bad_steps", {}).get("norms", [])]
@@ -521,6 +599,7 @@ class Trainer:
             "skipped_steps": sorted(self.skipped_steps),
             "bad_steps": self.guard.state(),
             "overflow_steps": self.overflow_steps,
+            "unit": self.unit.state(),
         }
 
     def restore(self, init_weights: bool = True) -> None:
@@ -531,7 +610,12 @@ class Trainer:
         """
         if self.checkpointer is None:
             return
-        state = self.checkpointer.restore(self.chunks, self.optimizer, self.scheduler, init_weights)
+        state = self.checkpointer.restore(
+            self.chunks, self.optimizer, self.scheduler, init_weights, models=self.unit.trained_models()
+        )
+        self.unit.load_frozen(self.checkpointer)
+        if state is not None:
+            self.unit.load_state(state.get("unit", {}))
         attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
         if state is None and not (self.progress_path and self.progress_path.exists()) and attempt <= 1:
             return  # a first start
@@ -614,7 +698,14 @@ class Trainer:
                 self.checkpointer.finalize()
                 saved = len(self.checkpointer.save_seconds)
                 self.checkpointer.maybe_save(
-                    s, s == st.iters, stop, self.chunks, self.optimizer, self.scheduler, self.state()
+                    s,
+                    s == st.iters,
+                    stop,
+                    self.chunks,
+                    self.optimizer,
+                    self.scheduler,
+                    self.state(),
+                    models=self.unit.trained_models(),
                 )
                 if len(self.checkpointer.save_seconds) > saved:
                     self.metrics.write(
@@ -714,25 +805,31 @@ def reference_logps(
     stage: TrainStage,
     seq_length: int,
 ) -> np.ndarray:
-    """Log-probs [n, 2] (chosen, rejected) of the current model for global samples [first_step*G, steps*G).
+    """Log-probs [n, 2] (chosen, rejected) of ``chunks`` for global samples [first_step*G, steps*G).
 
-    Run before DPO training, while the policy still equals the frozen reference; every rank gets the array.
+    A forward-only pass (DPO's frozen reference, before training); every rank gets the array.
     """
-    trainer = Trainer(
-        chunks, None, None, ReferenceLogpStep(), stage=stage, seq_length=seq_length, train_source=source
-    )
     G, mbs = stage.parallel.global_batch_size, stage.parallel.micro_batch_size
+    step = ReferenceLogpStep()
     base = first_step * G
     out = np.zeros((max(steps - first_step, 0) * G, 2), dtype=np.float64)
+    modes = [c.training for c in chunks]
     for chunk in chunks:
         chunk.eval()
     for s in range(first_step, steps):
-        outputs = trainer._forward_backward(micro_batches(source, s, G, mbs), forward_only=True)
+        outputs = run_micro_batches(
+            chunks,
+            step,
+            micro_batches(source, s, G, mbs),
+            seq_length=seq_length,
+            micro_batch_size=mbs * step.sequences_per_sample,
+            forward_only=True,
+        )
         if D.owns_loss():
             idx = sample_range(s, G, D.dp_rank(), D.dp_size())
             out[idx.start - base : idx.stop - base] = torch.cat([o["logps"] for o in outputs]).cpu().numpy()
-    for chunk in chunks:
-        chunk.train()
+    for chunk, mode in zip(chunks, modes):
+        chunk.train(mode)
     return D.all_reduce_sum(out.reshape(-1)).reshape(-1, 2)
 
 

@@ -1,0 +1,374 @@
+"""Online RL on the engine: GRPO (group-relative advantages, clipped policy loss, k3 KL to a frozen reference).
+
+One global step of ``rlhf.algorithm=grpo`` (``GRPOUnit.updates`` + ``GRPOStep``, run by the one loop):
+
+1. prompts: the next ``P = global_batch_size / group_size`` prompts of the task's prompt stream
+   (``task_prompts``: data_prep's ``rl_train.jsonl``, else the SFT file's prompts; a seeded order per epoch;
+   the position is ``step * P``, saved in checkpoints);
+2. rollouts: ``group_size`` samples per prompt from the policy (stages.engine.generate, KV cache, seeded by
+   ``(seed, step)``, so a resumed run draws the same samples); every rank generates the whole batch;
+3. rewards ``r`` (stages.engine.rewards) and advantages ``A = (r - mean_g) / (std_g + 1e-6)`` per group
+   (population std; a group with equal rewards has A = 0);
+4. scoring: per-token log-probs of the frozen reference (and, with ``ppo_epochs > 1``, of the policy before
+   the updates: the "old" log-probs), forward-only;
+5. ``ppo_epochs`` optimizer updates over the rollout batch, each minimising, over response tokens (and the
+   closing eod when sampled), the token mean of
+
+       -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + beta * k3,
+       ratio = exp(logp - old_logp),   k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1
+
+   (the first update is on-policy: old_logp = logp detached, ratio 1). Log-probs are those of the logits
+   divided by ``temperature``, the distribution the samples were drawn from.
+
+Metrics per step (the ``train`` line): ``loss``, ``kl`` (mean k3 per token), ``entropy`` (mean -log pi of
+the sampled tokens: a Monte Carlo estimate of the policy's entropy), ``clip_frac`` (share of tokens whose
+clipped term is active), ``reward_mean``, ``reward_std``, ``response_len`` (new tokens per response, eod
+excluded), ``gen_tokens_per_s``, and the meter's ``time_generate_s`` / ``time_score_s`` next to
+``time_fwd_bwd_s`` / ``time_optimizer_s`` (generation vs training time).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from stages.engine import distributed as D
+from stages.engine.steps import Batch, LossOut, _next_batch, _report
+from stages.engine.units import NamedModel, TrainUnit, as_tensors, local_outputs
+
+ADV_EPS = 1e-6
+
+# ---------------------------------------------------------------------------- the math
+
+
+def group_advantages(rewards: np.ndarray, group_size: int, eps: float = ADV_EPS) -> np.ndarray:
+    """GRPO advantages: each reward minus its group's mean, over the group's population std (+ eps).
+
+    ``rewards``: [n_prompts * group_size], each prompt's samples contiguous. Returns float32, same shape.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1 or r.size % group_size:
+        raise ValueError(f"rewards of shape {r.shape}: expected [n * group_size={group_size}]")
+    g = r.reshape(-1, group_size)
+    adv = (g - g.mean(axis=1, keepdims=True)) / (g.std(axis=1, keepdims=True) + eps)
+    return adv.reshape(-1).astype(np.float32)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate k3 = exp(ref - logp) - (ref - logp) - 1 (>= 0, unbiased on samples of pi)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def clipped_policy_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss ``-min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)`` and where the clip is active.
+
+    ``advantages`` broadcasts against ``logp`` ([b, 1] per sequence for GRPO).
+    """
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(label) per position [b, s] from (tensor-parallel) logits [b, s, vocab / tp] divided by ``temperature``."""
+    from megatron.core import tensor_parallel
+
+    scaled = logits.float() / temperature  # a new tensor: megatron's cross entropy works in place
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels)
+
+
+def _logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """Model output: logits [b, s, vocab / tp] on the last pipeline stage, hidden states elsewhere."""
+    b, s = tokens.shape
+    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    return model(tokens, position_ids, None)  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------- steps
+
+
+class GRPOStep:
+    """GRPO's loss on a rollout micro batch: ``tokens``/``labels``/``loss_mask`` [b, s], ``advantages`` [b],
+    ``ref_logp`` [b, s] and, after the first update of a rollout, ``old_logp`` [b, s] (module docstring)."""
+
+    name = "grpo"
+    sequences_per_sample = 1
+    metric_names: tuple[str, ...] = ("loss", "kl", "entropy", "clip_frac")
+
+    def __init__(self, beta: float = 0.04, clip_eps: float = 0.2, temperature: float = 1.0) -> None:
+        if beta < 0 or not 0 < clip_eps < 1 or temperature <= 0:
+            raise ValueError(f"beta={beta}, clip_eps={clip_eps}, temperature={temperature}: out of range")
+        self.beta, self.clip_eps, self.temperature = beta, clip_eps, temperature
+
+    def __call__(
+        self, data_iterator: Iterator[Batch], model: Any
+    ) -> tuple[torch.Tensor, Callable[..., LossOut]]:
+        batch = _next_batch(data_iterator)
+        return _logits(model, batch["tokens"]), partial(self.loss, batch)
+
+    def loss(self, batch: Batch, logits: torch.Tensor) -> LossOut:
+        return self.loss_from_logps(batch, token_logps(logits, batch["labels"], self.temperature))
+
+    def loss_from_logps(self, batch: Batch, logp: torch.Tensor) -> LossOut:
+        """The loss sum over response tokens, their count and the reported metrics, from log-probs [b, s]."""
+        mask = batch["loss_mask"].float()
+        old = batch["old_logp"] if "old_logp" in batch else logp.detach()
+        pg, clipped = clipped_policy_loss(logp, old, batch["advantages"].float()[:, None], self.clip_eps)
+        kl = kl_k3(logp, batch["ref_logp"])
+        loss = ((pg + self.beta * kl) * mask).sum()
+        n = mask.sum()
+        return (
+            loss,
+            n.to(torch.int),
+            {
+                "loss": _report(loss, n),
+                "kl": _report((kl * mask).sum(), n),
+                "entropy": _report((-logp * mask).sum(), n),
+                "clip_frac": _report((clipped * mask).sum(), n),
+            },
+        )
+
+
+class LogpStep:
+    """Forward-only scoring: per-token log-probs [b, s] at ``temperature`` (reported as ``logps``)."""
+
+    name = "logp"
+    sequences_per_sample = 1
+    metric_names: tuple[str, ...] = ()
+
+    def __init__(self, temperature: float = 1.0) -> None:
+        self.temperature = temperature
+
+    def __call__(
+        self, data_iterator: Iterator[Batch], model: Any
+    ) -> tuple[torch.Tensor, Callable[..., LossOut]]:
+        batch = _next_batch(data_iterator)
+        return _logits(model, batch["tokens"]), partial(self.logps, batch["labels"])
+
+    def logps(self, labels: torch.Tensor, logits: torch.Tensor) -> LossOut:
+        logp = token_logps(logits, labels, self.temperature).detach()
+        n = torch.tensor(1, dtype=torch.int, device=logp.device)
+        return logp.sum() * 0, n, {"logps": logp}
+
+
+def make_online_step(rlhf: Any) -> GRPOStep:
+    """The step of ``rlhf.algorithm`` (online algorithms; DPO is stages.engine.steps.DPOStep)."""
+    if rlhf.algorithm == "grpo":
+        return GRPOStep(beta=rlhf.beta, clip_eps=rlhf.clip_eps, temperature=rlhf.temperature)
+    raise ValueError(f"rlhf.algorithm={rlhf.algorithm!r}: not an online algorithm (grpo)")
+
+
+# ---------------------------------------------------------------------------- rollouts
+
+
+@dataclass
+class PromptStream:
+    """Prompts (token ids, ``<|user|>...<|assistant|>``) in a seeded order per epoch; any index >= 0."""
+
+    prompts: list[list[int]]
+    seed: int
+    _perms: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ValueError("prompt stream: no prompts")
+
+    def take(self, start: int, n: int) -> list[list[int]]:
+        out = []
+        for i in range(start, start + n):
+            epoch, j = divmod(i, len(self.prompts))
+            if epoch not in self._perms:
+                self._perms = {
+                    epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
+                }
+            out.append(self.prompts[int(self._perms[epoch][j])])
+        return out
+
+
+def sample_seed(seed: int, step: int) -> int:
+    """The sampler's seed at global step ``step``: a function of (stage seed, step), so resume redraws alike."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def rollout_rows(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    stopped: Sequence[bool],
+    seq_length: int,
+    pad: int,
+    eod: int,
+) -> dict[str, np.ndarray]:
+    """Training rows of prompt + response (+ eod when the sampler stopped on it), right-padded.
+
+    ``tokens``/``labels`` (next token) int64 and ``loss_mask`` float32 [n, seq_length]; the loss covers the
+    response tokens and the closing eod.
+    """
+    n = len(prompts)
+    tokens = np.full((n, seq_length), pad, dtype=np.int64)
+    labels = np.full((n, seq_length), pad, dtype=np.int64)
+    mask = np.zeros((n, seq_length), dtype=np.float32)
+    for i, (p, r, s) in enumerate(zip(prompts, responses, stopped)):
+        ids = [*p, *r, *([eod] if s else [])]
+        if len(ids) > seq_length + 1:
+            raise ValueError(
+                f"rollout of {len(ids)} tokens exceeds rlhf.seq_length={seq_length} + 1: lower "
+                "rlhf.max_new_tokens or raise rlhf.seq_length"
+            )
+        k = len(ids) - 1
+        tokens[i, :k] = ids[:-1]
+        labels[i, :k] = ids[1:]
+        mask[i, len(p) - 1 : k] = 1.0
+    return {"tokens": tokens, "labels": labels, "loss_mask": mask}
+
+
+@dataclass
+class GRPOUnit(TrainUnit):
+    """GRPO's unit: the policy (the trainer's) and a frozen ``reference``; rollouts per step (module docstring)."""
+
+    prompts: PromptStream | None = None
+    reward: Any = None
+    tokenizer: Any = None
+    settings: Any = None
+    """The rlhf stage config (RLHFStage): group_size, temperature, top_p, max_new_tokens, ppo_epochs."""
+    position: int = 0
+    """Prompts consumed so far (the prompt stream's position; saved in checkpoints)."""
+    _last: dict[str, float] = field(default_factory=dict, repr=False)
+
+    def _rollout(self, step: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        from stages.engine.generate import SamplingParams, generate
+
+        t, st, tok = self._t(), self.settings, self.tokenizer
+        assert self.prompts is not None and self.reward is not None
+        n = st.parallel.global_batch_size
+        g = st.group_size
+        start = step * (n // g)  # the stream's position is a function of the step (a skipped step too)
+        rows = [p for p in self.prompts.take(start, n // g) for _ in range(g)]
+        params = SamplingParams(
+            max_new_tokens=st.max_new_tokens,
+            temperature=st.temperature,
+            top_p=st.top_p,
+            stop_tokens=(tok.eod,),
+            seed=sample_seed(st.seed, step),
+        )
+        t0 = time.perf_counter()
+        with t.meter.time("generate"):
+            gen = generate(t.chunks, rows, params, vocab_size=tok.vocab_size, pad_id=tok.pad)
+        gen_s = time.perf_counter() - t0
+        rewards = np.asarray(self.reward(rows, gen.tokens), dtype=np.float32)
+        arrays = rollout_rows(rows, gen.tokens, gen.stopped, t.seq_length, tok.pad, tok.eod)
+        arrays["advantages"] = group_advantages(rewards, g)
+        new_tokens = sum(len(x) for x in gen.tokens) + sum(gen.stopped)
+        self.position = start + n // g
+        return arrays, {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "response_len": float(np.mean([len(x) for x in gen.tokens])),
+            "gen_tokens_per_s": new_tokens / max(gen_s, 1e-9),
+        }
+
+    def _score(self, chunks: list[Any], batches: list[Batch], key: str) -> None:
+        from stages.engine.trainer import run_micro_batches
+
+        t = self._t()
+        step = LogpStep(self.settings.temperature)
+        with torch.no_grad():
+            outputs = run_micro_batches(
+                chunks,
+                step,
+                batches,
+                seq_length=t.seq_length,
+                micro_batch_size=self.settings.parallel.micro_batch_size,
+                forward_only=True,
+            )
+        for b, v in zip(batches, local_outputs(outputs, "logps", batches)):
+            b[key] = v
+
+    def updates(self, step: int) -> list[list[Batch]]:
+        from stages.engine.data import sample_range
+
+        t, st = self._t(), self.settings
+        arrays, self._last = self._rollout(step)
+        idx = sample_range(0, st.parallel.global_batch_size, D.dp_rank(), D.dp_size())
+        mbs = st.parallel.micro_batch_size
+        batches = [
+            as_tensors({k: v[s : min(s + mbs, idx.stop)] for k, v in arrays.items()})
+            for s in range(idx.start, idx.stop, mbs)
+        ]
+        with t.meter.time("score"):
+            self._score(self.models["reference"].chunks, batches, "ref_logp")
+            if st.ppo_epochs > 1:
+                modes = [c.training for c in t.chunks]
+                for c in t.chunks:
+                    c.eval()
+                self._score(t.chunks, batches, "old_logp")
+                for c, m in zip(t.chunks, modes):
+                    c.train(m)
+        return [batches] * st.ppo_epochs
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._last)
+
+    def state(self) -> dict[str, Any]:
+        return {"prompt_position": self.position, "sampler_seed": "SeedSequence([seed, step])"}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.position = int(state.get("prompt_position", 0))
+
+
+def task_prompts(d: Any) -> tuple[list[str], list[str]]:
+    """The RL prompt stream's prompts and right answers: data_prep's ``rl_train.jsonl`` ({prompt, answer})
+    when it exists; else the prompts of ``sft_train.jsonl`` with the task checker's answer
+    (stages.tasks.parse_prompt; the SFT response only for a prompt the task cannot parse)."""
+    from stages import tasks
+    from stages.engine.data import read_jsonl
+
+    rl_file = d / "rl_train.jsonl"
+    if rl_file.is_file():
+        recs = read_jsonl(rl_file, ("prompt", "answer"))
+        return [r["prompt"] for r in recs], [r["answer"] for r in recs]
+    recs = read_jsonl(d / "sft_train.jsonl", ("prompt", "response"))
+    answers = []
+    for r in recs:
+        try:
+            answers.append(tasks.parse_prompt(r["prompt"]).answer)
+        except ValueError:
+            answers.append(r["response"])
+    return [r["prompt"] for r in recs], answers
+
+
+def online_unit(env: Any) -> tuple[GRPOUnit, None]:
+    """The GRPO unit of a stage (``train_stage(unit=...)``): prompt stream, reward, frozen reference."""
+    from stages.engine.rewards import make_reward
+    from stages.engine.run import data_dir
+
+    st, tok = env.stage, env.tokenizer
+    texts, answers_text = task_prompts(data_dir(env.ctx))
+    prompts = [tok.prompt_ids(p) for p in texts]
+    longest = max(len(p) for p in prompts)
+    if longest + st.max_new_tokens > env.seq_length:
+        raise ValueError(
+            f"rlhf.max_new_tokens={st.max_new_tokens}: the longest prompt ({longest} tokens) + max_new_tokens "
+            f"exceeds rlhf.seq_length={env.seq_length}; lower max_new_tokens or raise seq_length"
+        )
+    answers = {tuple(p): a for p, a in zip(prompts, answers_text)}
+    reward = make_reward(st.reward, tokenizer=tok, answers=answers)
+    reference = NamedModel("reference", env.frozen_model(weights="built"), init="init_from")
+    unit = GRPOUnit(
+        source=None,
+        models={"reference": reference},
+        prompts=PromptStream(prompts, st.seed),
+        reward=reward,
+        tokenizer=tok,
+        settings=st,
+    )
+    return unit, None

@@ -1,0 +1,101 @@
+"""GRPO's pieces against hand-computed values: advantages, the k3 KL estimator, the clipped loss, rollout rows."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from stages.engine.rl import (
+    GRPOStep,
+    PromptStream,
+    clipped_policy_loss,
+    group_advantages,
+    kl_k3,
+    rollout_rows,
+    sample_seed,
+)
+
+
+def test_group_advantages_by_hand() -> None:
+    # group 1: rewards 1,0,0,1: mean 0.5, population std 0.5 -> +-1; group 2: all equal -> 0
+    adv = group_advantages(np.array([1, 0, 0, 1, 1, 1, 1, 1], dtype=np.float32), 4)
+    scale = 0.5 / (0.5 + 1e-6)
+    np.testing.assert_allclose(adv, [scale, -scale, -scale, scale, 0, 0, 0, 0], rtol=1e-6)
+    assert adv.dtype == np.float32
+    # rewards 0, 1, 2 (one group of 3): mean 1, std sqrt(2/3)
+    std = math.sqrt(2 / 3)
+    np.testing.assert_allclose(
+        group_advantages(np.array([0.0, 1.0, 2.0]), 3), [-1 / std, 0, 1 / std], rtol=1e-5
+    )
+    with pytest.raises(ValueError, match="group_size=4"):
+        group_advantages(np.zeros(6), 4)
+
+
+def test_kl_k3_by_hand_and_unbiased() -> None:
+    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    # d = ref - logp = log 0.5: exp(d) - d - 1 = 0.5 + log 2 - 1
+    assert float(kl_k3(logp, ref)) == pytest.approx(0.5 + math.log(2) - 1, abs=1e-7)
+    assert float(kl_k3(ref, ref)) == 0.0
+    # E_{x~pi}[k3(x)] = KL(pi || ref) exactly, for a categorical pi
+    pi = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    q = torch.tensor([0.2, 0.2, 0.6], dtype=torch.float64)
+    expected = float((pi * (pi / q).log()).sum())
+    assert float((pi * kl_k3(pi.log(), q.log())).sum()) == pytest.approx(expected, rel=1e-12)
+
+
+def test_clipped_policy_loss_by_hand() -> None:
+    ratio = torch.tensor([1.5, 0.5, 0.5, 1.5, 1.0])
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 2.0])
+    loss, clipped = clipped_policy_loss(ratio.log(), torch.zeros(5), adv, 0.2)
+    # 1.5*1 vs 1.2*1 -> 1.2 (clipped); 0.5 vs 0.8 -> 0.5; -0.5 vs -0.8 -> -0.8 (clipped); -1.5 vs -1.2 -> -1.5
+    torch.testing.assert_close(loss, torch.tensor([-1.2, -0.5, 0.8, 1.5, -2.0]))
+    assert clipped.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_grpo_step_loss_by_hand() -> None:
+    # two sequences of 3 positions; the loss covers positions 1-2 of the first and position 2 of the second
+    logp = torch.log(torch.tensor([[0.9, 0.5, 0.25], [0.9, 0.9, 0.5]]))
+    batch = {
+        "loss_mask": torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 1.0]]),
+        "advantages": torch.tensor([1.0, -1.0]),
+        "ref_logp": torch.log(torch.tensor([[0.9, 0.25, 0.25], [0.9, 0.9, 0.25]])),
+        "old_logp": torch.log(torch.tensor([[0.9, 0.25, 0.25], [0.9, 0.9, 0.25]])),
+    }
+    step = GRPOStep(beta=0.1, clip_eps=0.2, temperature=1.0)
+    loss, n, rep = step.loss_from_logps(batch, logp)
+    # ratios (logp / old): seq 1: 2.0 (A=+1 -> min(2, 1.2) = 1.2, clipped), 1.0 (-> 1.0)
+    #                      seq 2: 2.0 (A=-1 -> min(-2, -1.2) = -2, not clipped)
+    k3_half = 0.5 + math.log(2) - 1  # ref/pi = 0.5 at the two tokens where they differ
+    pg = -1.2 - 1.0 + 2.0
+    kl = 2 * k3_half + 0.0
+    assert int(n) == 3
+    assert float(loss) == pytest.approx(pg + 0.1 * kl, abs=1e-6)
+    assert rep["kl"].tolist() == pytest.approx([kl, 3.0], abs=1e-6)
+    assert rep["clip_frac"].tolist() == pytest.approx([1.0, 3.0])
+    assert rep["entropy"].tolist() == pytest.approx([-(math.log(0.5) + math.log(0.25) + math.log(0.5)), 3.0])
+    # without old_logp (the first update of a rollout) the ratio is 1: loss = -sum(A) + beta * kl
+    del batch["old_logp"]
+    loss1, _, rep1 = step.loss_from_logps(batch, logp)
+    assert float(loss1) == pytest.approx(-(1 + 1 - 1) + 0.1 * kl, abs=1e-6)
+    assert float(rep1["clip_frac"][0]) == 0.0
+
+
+def test_rollout_rows_mask_the_response_and_eod() -> None:
+    rows = rollout_rows([[5, 6], [5]], [[7, 8], [9]], [True, False], seq_length=5, pad=0, eod=1)
+    assert rows["tokens"].tolist() == [[5, 6, 7, 8, 0], [5, 0, 0, 0, 0]]  # the last token is never input
+    assert rows["labels"].tolist() == [[6, 7, 8, 1, 0], [9, 0, 0, 0, 0]]
+    assert rows["loss_mask"].tolist() == [[0, 1, 1, 1, 0], [1, 0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="rlhf.max_new_tokens"):
+        rollout_rows([[5, 6, 7]], [[1, 2, 3]], [True], seq_length=5, pad=0, eod=1)
+
+
+def test_prompt_stream_and_sampler_seed_are_functions_of_the_position() -> None:
+    prompts = [[i] for i in range(5)]
+    a, b = PromptStream(prompts, 3), PromptStream(prompts, 3)
+    first = a.take(0, 12)
+    assert sorted(map(tuple, first[:5])) == [(i,) for i in range(5)]  # each epoch is a permutation
+    assert b.take(7, 5) == first[7:12]  # a fresh stream at position 7 continues the same order
+    assert sample_seed(1, 2) == sample_seed(1, 2) != sample_seed(1, 3)
