@@ -33,9 +33,36 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         from stages.engine.steps import make_step
 
         return train_stage(cfg, ctx, step=make_step("dpo", beta=cfg.rlhf.beta), unit=_dpo_unit)
+    from stages import tasks
     from stages.engine import rl
+    from stages.engine.run import data_dir
 
-    return train_stage(cfg, ctx, step=rl.make_online_step(cfg.rlhf), unit=rl.online_unit)
+    def unit(env: Any) -> tuple[Any, None]:
+        prompts, answers = task_prompts(data_dir(ctx))
+        return rl.online_unit(env, prompts, answers, check=tasks.is_correct)
+
+    return train_stage(cfg, ctx, step=rl.make_online_step(cfg.rlhf), unit=unit)
+
+
+def task_prompts(d: Path) -> tuple[list[str], list[str]]:
+    """Online RL's prompt stream and each prompt's right answer: data_prep's ``rl_train.jsonl`` ({prompt,
+    answer}) when it exists; else the prompts of ``sft_train.jsonl`` with the task checker's answer
+    (stages.tasks.parse_prompt; the SFT response only for a prompt the task cannot parse)."""
+    from stages import tasks
+    from stages.engine.data import read_jsonl
+
+    rl_file = d / "rl_train.jsonl"
+    if rl_file.is_file():
+        recs = read_jsonl(rl_file, ("prompt", "answer"))
+        return [r["prompt"] for r in recs], [r["answer"] for r in recs]
+    recs = read_jsonl(d / "sft_train.jsonl", ("prompt", "response"))
+    answers = []
+    for r in recs:
+        try:
+            answers.append(tasks.parse_prompt(r["prompt"]).answer)
+        except ValueError:
+            answers.append(r["response"])
+    return [r["prompt"] for r in recs], answers
 
 
 def _dpo_unit(env: Any) -> tuple[Any, None]:

@@ -99,3 +99,56 @@ def test_prompt_stream_and_sampler_seed_are_functions_of_the_position() -> None:
     assert sorted(map(tuple, first[:5])) == [(i,) for i in range(5)]  # each epoch is a permutation
     assert b.take(7, 5) == first[7:12]  # a fresh stream at position 7 continues the same order
     assert sample_seed(1, 2) == sample_seed(1, 2) != sample_seed(1, 3)
+
+
+class _Tok:
+    special_ids = {"eod": 0, "pad": 1}
+
+    def decode(self, ids: object) -> str:
+        return "".join(chr(ord("0") + int(i) - 10) for i in ids)  # token 10 + d is the digit d
+
+
+def test_verifier_reward_checks_each_response_against_its_prompts_answer() -> None:
+    from stages.engine.rewards import make_reward
+    from stages.tasks import is_correct
+
+    reward = make_reward("verifier", tokenizer=_Tok(), answers={(5,): "12", (6,): "3"}, check=is_correct)
+    got = reward([[5], [5], [6], [6]], [[11, 12], [11, 13], [13], [13, 0]])
+    assert got.dtype == np.float32 and got.tolist() == [1.0, 0.0, 1.0, 0.0]  # a special token: never right
+    with pytest.raises(ValueError, match="reward-model stage"):
+        make_reward("model", tokenizer=_Tok(), answers={}, check=is_correct)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rlhf.reward=both"], "rlhf.reward='both': needs the reward-model stage"),
+        (["rlhf.group_size=5"], "rlhf.parallel.global_batch_size=32: must be a multiple of group_size=5"),
+        (["rlhf.algorithm=ppo2"], "rlhf.algorithm"),
+        (["rlhf.clip_eps=1.5"], "rlhf.clip_eps=1.5"),
+        (["rlhf.ppo_epochs=0"], "rlhf.ppo_epochs=0"),
+    ],
+)
+def test_grpo_config_is_validated(overrides: list[str], message: str) -> None:
+    from pipeline.config import ConfigError, load_config
+
+    assert load_config(["rlhf=grpo"]).rlhf.algorithm == "grpo"
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(["rlhf=grpo", *overrides])
+
+
+def test_gae_by_hand() -> None:
+    from stages.engine.rl import gae
+
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 5.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7], [1.0, 1.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # the second row ends after 2 tokens
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    # row 1: deltas 0.1, 0.1, 0.3 -> A2 = 0.3, A1 = 0.1 + 0.95 * 0.3, A0 = 0.1 + 0.95 * A1
+    a1 = 0.1 + 0.95 * 0.3
+    torch.testing.assert_close(adv[0], torch.tensor([0.1 + 0.95 * a1, a1, 0.3]))
+    torch.testing.assert_close(ret[0], adv[0] + values[0])
+    adv2, ret2 = gae(rewards, values, mask, gamma=0.5, lam=0.5)
+    # row 2 (gamma = lam = 0.5): delta1 = 2 - 1 = 1, delta0 = 0.5 * 1 - 1 = -0.5 -> A = [-0.5 + 0.25, 1, 0]
+    torch.testing.assert_close(adv2[1], torch.tensor([-0.25, 1.0, 0.0]))
+    torch.testing.assert_close(ret2[1], torch.tensor([0.75, 2.0, 0.0]))

@@ -5,13 +5,14 @@
 the reward with the same rollouts and must get the same values (deterministic, no per-rank state).
 
 Sources (``rlhf.reward``; ``make_reward``):
-- ``verifier``: the task checker (stages.tasks.is_correct): 1.0 for the right answer, else 0.0.
+- ``verifier``: the task checker (the stage passes ``stages.tasks.is_correct`` and each prompt's right
+  answer; the engine never imports the task): 1.0 for the right answer, else 0.0.
 - ``model`` / ``both``: a trained reward model, added with the reward-model stage (not in this version).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,37 +25,31 @@ class Reward(Protocol):
 
 
 class VerifierReward:
-    """1.0 when the decoded response is the prompt's right answer (``stages.tasks.is_correct``), else 0.0.
+    """1.0 when ``check(decoded response, expected answer)`` holds, else 0.0 (a response holding a special
+    token is never right). ``answers``: each prompt's token ids -> its right answer."""
 
-    The expected answer comes from ``answers`` (prompt token ids -> answer text: the prompt stream's own
-    records), else from parsing the prompt text (``stages.tasks.parse_prompt``).
-    """
-
-    def __init__(self, tokenizer: Any, answers: Mapping[tuple[int, ...], str] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, answers: Mapping[tuple[int, ...], str], check: Callable[[str, str], bool]
+    ) -> None:
         self.tokenizer = tokenizer
-        self.answers = dict(answers or {})
+        self.answers = dict(answers)
+        self.check = check
 
     def expected(self, prompt: Sequence[int]) -> str:
         key = tuple(int(t) for t in prompt)
-        if key in self.answers:
-            return self.answers[key]
-        from stages import tasks
-
-        special = set(self.tokenizer.special_ids.values())
-        text = self.tokenizer.decode([t for t in key if t not in special])
-        return tasks.parse_prompt(text).answer
+        if key not in self.answers:
+            raise KeyError(f"reward: no right answer known for prompt {self.tokenizer.decode(key)!r}")
+        return self.answers[key]
 
     def __call__(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> np.ndarray:
-        from stages import tasks
-
         if len(prompts) != len(responses):
             raise ValueError(f"reward: {len(prompts)} prompts but {len(responses)} responses")
         special = set(self.tokenizer.special_ids.values())
         out = np.zeros(len(prompts), dtype=np.float32)
         for i, (p, r) in enumerate(zip(prompts, responses)):
             if any(int(t) in special for t in r):
-                continue  # a special token inside the answer is never right
-            out[i] = float(tasks.is_correct(self.tokenizer.decode(r), self.expected(p)))
+                continue
+            out[i] = float(self.check(self.tokenizer.decode(r), self.expected(p)))
         return out
 
 
@@ -62,10 +57,16 @@ REWARDS = ("verifier",)
 """Reward sources implemented here (config accepts model / both once the reward-model stage exists)."""
 
 
-def make_reward(name: str, *, tokenizer: Any, answers: Mapping[tuple[int, ...], str] | None = None) -> Reward:
-    """The reward of ``rlhf.reward=name``."""
+def make_reward(
+    name: str,
+    *,
+    tokenizer: Any,
+    answers: Mapping[tuple[int, ...], str],
+    check: Callable[[str, str], bool],
+) -> Reward:
+    """The reward of ``rlhf.reward=name``: ``answers`` and ``check`` feed the verifier."""
     if name == "verifier":
-        return VerifierReward(tokenizer, answers)
+        return VerifierReward(tokenizer, answers, check)
     if name in ("model", "both"):
         raise ValueError(
             f"rlhf.reward={name}: needs the reward-model stage (a trained reward model), which this version "

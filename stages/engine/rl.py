@@ -3,8 +3,8 @@
 One global step of ``rlhf.algorithm=grpo`` (``GRPOUnit.updates`` + ``GRPOStep``, run by the one loop):
 
 1. prompts: the next ``P = global_batch_size / group_size`` prompts of the task's prompt stream
-   (``task_prompts``: data_prep's ``rl_train.jsonl``, else the SFT file's prompts; a seeded order per epoch;
-   the position is ``step * P``, saved in checkpoints);
+   (stages/rlhf.py ``task_prompts``: data_prep's ``rl_train.jsonl``, else the SFT file's prompts; a seeded
+   order per epoch; the position is ``step * P``, saved in checkpoints);
 2. rollouts: ``group_size`` samples per prompt from the policy (stages.engine.generate, KV cache, seeded by
    ``(seed, step)``, so a resumed run draws the same samples); every rank generates the whole batch;
 3. rewards ``r`` (stages.engine.rewards) and advantages ``A = (r - mean_g) / (std_g + 1e-6)`` per group
@@ -40,7 +40,7 @@ import torch
 
 from stages.engine import distributed as D
 from stages.engine.steps import Batch, LossOut, _next_batch, _report
-from stages.engine.units import NamedModel, TrainUnit, as_tensors, local_outputs
+from stages.engine.units import NamedModel, TrainUnit, as_tensors, local_outputs, run_micro_batches
 
 ADV_EPS = 1e-6
 
@@ -58,6 +58,28 @@ def group_advantages(rewards: np.ndarray, group_size: int, eps: float = ADV_EPS)
     g = r.reshape(-1, group_size)
     adv = (g - g.mean(axis=1, keepdims=True)) / (g.std(axis=1, keepdims=True) + eps)
     return adv.reshape(-1).astype(np.float32)
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over response tokens (for PPO with a critic): advantages, returns.
+
+    ``rewards``, ``values``, ``mask``: [b, T]; ``mask`` 1 on each row's tokens (a contiguous run from
+    position 0 after alignment, right-padded). The value after a row's last token is 0 (the episode ends):
+    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}, returns = A + V; 0 on padding.
+    """
+    m = mask.float()
+    r, v = rewards.float() * m, values.float() * m
+    adv = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    next_value = torch.zeros_like(r[:, 0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        running = (delta + gamma * lam * running) * m[:, t]
+        adv[:, t] = running
+        next_value = v[:, t]
+    return adv, (adv + v) * m
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -277,8 +299,6 @@ class GRPOUnit(TrainUnit):
         }
 
     def _score(self, chunks: list[Any], batches: list[Batch], key: str) -> None:
-        from stages.engine.trainer import run_micro_batches
-
         t = self._t()
         step = LogpStep(self.settings.temperature)
         with torch.no_grad():
@@ -325,48 +345,30 @@ class GRPOUnit(TrainUnit):
         self.position = int(state.get("prompt_position", 0))
 
 
-def task_prompts(d: Any) -> tuple[list[str], list[str]]:
-    """The RL prompt stream's prompts and right answers: data_prep's ``rl_train.jsonl`` ({prompt, answer})
-    when it exists; else the prompts of ``sft_train.jsonl`` with the task checker's answer
-    (stages.tasks.parse_prompt; the SFT response only for a prompt the task cannot parse)."""
-    from stages import tasks
-    from stages.engine.data import read_jsonl
-
-    rl_file = d / "rl_train.jsonl"
-    if rl_file.is_file():
-        recs = read_jsonl(rl_file, ("prompt", "answer"))
-        return [r["prompt"] for r in recs], [r["answer"] for r in recs]
-    recs = read_jsonl(d / "sft_train.jsonl", ("prompt", "response"))
-    answers = []
-    for r in recs:
-        try:
-            answers.append(tasks.parse_prompt(r["prompt"]).answer)
-        except ValueError:
-            answers.append(r["response"])
-    return [r["prompt"] for r in recs], answers
-
-
-def online_unit(env: Any) -> tuple[GRPOUnit, None]:
-    """The GRPO unit of a stage (``train_stage(unit=...)``): prompt stream, reward, frozen reference."""
+def online_unit(
+    env: Any, prompts: list[str], answers: list[str], check: Callable[[str, str], bool]
+) -> tuple[GRPOUnit, None]:
+    """The GRPO unit of a stage (``train_stage(unit=lambda env: online_unit(env, ...))``): the prompt stream
+    (``prompts`` with their right ``answers``), the reward (``rlhf.reward``; the verifier applies ``check``)
+    and a frozen reference holding the stage's starting weights."""
     from stages.engine.rewards import make_reward
-    from stages.engine.run import data_dir
 
     st, tok = env.stage, env.tokenizer
-    texts, answers_text = task_prompts(data_dir(env.ctx))
-    prompts = [tok.prompt_ids(p) for p in texts]
-    longest = max(len(p) for p in prompts)
+    ids = [tok.prompt_ids(p) for p in prompts]
+    longest = max(len(p) for p in ids)
     if longest + st.max_new_tokens > env.seq_length:
         raise ValueError(
             f"rlhf.max_new_tokens={st.max_new_tokens}: the longest prompt ({longest} tokens) + max_new_tokens "
             f"exceeds rlhf.seq_length={env.seq_length}; lower max_new_tokens or raise seq_length"
         )
-    answers = {tuple(p): a for p, a in zip(prompts, answers_text)}
-    reward = make_reward(st.reward, tokenizer=tok, answers=answers)
+    reward = make_reward(
+        st.reward, tokenizer=tok, answers={tuple(p): a for p, a in zip(ids, answers)}, check=check
+    )
     reference = NamedModel("reference", env.frozen_model(weights="built"), init="init_from")
     unit = GRPOUnit(
         source=None,
         models={"reference": reference},
-        prompts=PromptStream(prompts, st.seed),
+        prompts=PromptStream(ids, st.seed),
         reward=reward,
         tokenizer=tok,
         settings=st,

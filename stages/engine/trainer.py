@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,12 +28,14 @@ from stages.context import MetricsWriter
 from stages.engine import distributed as D
 from stages.engine.bad_steps import BadStepError, BadStepGuard, reason_code, reason_from_code
 from stages.engine.callbacks import Callbacks
-from stages.engine.data import collate, sample_range
+from stages.engine.data import sample_range
 from stages.engine.faults import FaultInjector
 from stages.engine.meter import StepMeter
 from stages.engine.signals import Preempted, StopFlag, Watchdog
 from stages.engine.steps import Batch, ReferenceLogpStep
-from stages.engine.units import NamedModel, TrainUnit
+from stages.engine.units import NamedModel, TrainUnit, micro_batches, run_micro_batches
+
+__all__ = ["micro_batches", "run_micro_batches"]  # defined in stages.engine.units, used here and by callers
 
 log = logging.getLogger(__name__)
 
@@ -89,49 +91,6 @@ def build_optimizer(chunks: list[Any], stage: TrainStage, par: ParallelConfig) -
 
 
 # ---------------------------------------------------------------------------- data
-
-
-def micro_batches(source: SampleSource, step: int, global_batch: int, micro_batch: int) -> list[Batch]:
-    """This data-parallel rank's micro batches at ``step`` (global sample index), as CPU tensors."""
-    idx = sample_range(step, global_batch, D.dp_rank(), D.dp_size())
-    out = []
-    for start in range(idx.start, idx.stop, micro_batch):
-        batch = collate([source[i] for i in range(start, min(start + micro_batch, idx.stop))])
-        out.append({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()})
-    return out
-
-
-def run_micro_batches(
-    chunks: list[Any],
-    step: Any,
-    batches: list[Batch],
-    *,
-    seq_length: int,
-    micro_batch_size: int,
-    forward_only: bool,
-) -> list[dict[str, torch.Tensor]]:
-    """Run ``step`` over ``batches`` with megatron's schedule (no pipelining, 1F1B or interleaved).
-
-    ``forward_only``: no backward (scoring: reference log-probs, old log-probs, evaluation). Returns what the
-    step's loss function reported per micro batch (on the last pipeline stage; empty elsewhere).
-    ``micro_batch_size``: sequences per micro batch as the model sees them (DPO: 2 x pairs).
-    """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    return get_forward_backward_func()(  # type: ignore[no-any-return]
-        forward_step_func=step,
-        data_iterator=_iterators(batches, len(chunks)),
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(batches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
-
-
-def _iterators(batches: list[Batch], chunks: int) -> Iterator[Batch] | list[Iterator[Batch]]:
-    """One iterator, or one per virtual pipeline chunk (each chunk walks all micro batches)."""
-    return iter(batches) if chunks == 1 else [iter(batches) for _ in range(chunks)]
 
 
 ATTEMPT_ENV = "PIPELINE_STAGE_ATTEMPT"
@@ -251,7 +210,7 @@ class Checkpointer:
                 state,
                 final=final,
                 async_save=self.async_save and not force,
-                models=models,
+                **({"models": models} if models else {}),  # subclasses written before models stay valid
             )
             self.failures = 0
         except WRITE_FAILURES as e:  # CheckpointError, OSError, torch's CheckpointException (a full disk)

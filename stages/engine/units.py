@@ -19,6 +19,7 @@ and advances the LR schedule once per global step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,11 +27,55 @@ import numpy as np
 import torch
 
 from stages.engine import distributed as D
+from stages.engine.data import collate, sample_range
 
 if TYPE_CHECKING:
     from stages.engine.trainer import Trainer
 
 Batch = dict[str, torch.Tensor]
+
+
+def micro_batches(source: Any, step: int, global_batch: int, micro_batch: int) -> list[Batch]:
+    """This data-parallel rank's micro batches at ``step`` (global sample index), as CPU tensors."""
+    idx = sample_range(step, global_batch, D.dp_rank(), D.dp_size())
+    out = []
+    for start in range(idx.start, idx.stop, micro_batch):
+        batch = collate([source[i] for i in range(start, min(start + micro_batch, idx.stop))])
+        out.append({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()})
+    return out
+
+
+def run_micro_batches(
+    chunks: list[Any],
+    step: Any,
+    batches: list[Batch],
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool,
+) -> list[dict[str, torch.Tensor]]:
+    """Run ``step`` over ``batches`` with megatron's schedule (no pipelining, 1F1B or interleaved).
+
+    ``forward_only``: no backward (scoring: reference log-probs, old log-probs, evaluation). Returns what the
+    step's loss function reported per micro batch (on the last pipeline stage; empty elsewhere).
+    ``micro_batch_size``: sequences per micro batch as the model sees them (DPO: 2 x pairs).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(  # type: ignore[no-any-return]
+        forward_step_func=step,
+        data_iterator=_iterators(batches, len(chunks)),
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def _iterators(batches: list[Batch], chunks: int) -> Iterator[Batch] | list[Iterator[Batch]]:
+    """One iterator, or one per virtual pipeline chunk (each chunk walks all micro batches)."""
+    return iter(batches) if chunks == 1 else [iter(batches) for _ in range(chunks)]
 
 
 @dataclass
@@ -68,8 +113,6 @@ class TrainUnit:
         return self.trainer
 
     def updates(self, step: int) -> list[list[Batch]]:
-        from stages.engine.trainer import micro_batches
-
         t = self._t()
         par = t.stage.parallel
         with t.meter.time("data"):
