@@ -1,6 +1,6 @@
-"""The generated, program-checkable task used for SFT, DPO and eval: small-integer arithmetic.
+"""The generated, program-checkable tasks used for SFT, RLHF and eval: counting (the default) and arithmetic.
 
-A problem is ``a + b`` or ``a - b`` (with ``a >= b``, so answers are never negative), operands drawn
+``counting``: "What comes after 47?" -> "48". ``arithmetic``: a problem is ``a + b`` or ``a - b`` (with ``a >= b``, so answers are never negative), operands drawn
 uniformly from ``[0, max_operand]``. The prompt is ``"What is 23 + 45?"`` and the answer is the plain
 decimal ``"68"``; the tokenizer splits digits one per token, so the model writes answers digit by digit.
 
@@ -19,6 +19,13 @@ data here. The task code works for any ``max_operand``; small operands are the e
 
 Held-out prompts (``eval_task.jsonl``, ``eval_pref.jsonl``) never appear in any training file: they
 are drawn first, and every training problem is drawn from the rest of the problem space.
+
+Noisy demonstrations (``data.sft_noise``, :func:`noisy_sft_records`): the embedded default trains SFT on
+demonstrations from a demonstrator with a systematic slip on half of the problems (counting: odd numbers
+answered with the number itself), 70% of the time. Greedy SFT then learns the slip as the answer there
+(held-out accuracy ~0.57 instead of ~0.96) while about a quarter of its samples still hold the right answer,
+which is what RL with this module's checker as reward finds and reinforces (README "What you should see").
+Preference pairs, RL prompts (``rl_train.jsonl``) and eval sets always carry the right answers.
 
 Rejected answers for preference pairs are near misses a weak model could plausibly produce
 (:func:`near_misses`): off by one, off by ten, two adjacent digits swapped, the carry (or borrow)
