@@ -71,7 +71,7 @@ def _metric_lines(run_dir: Path, stage: str, kind: str) -> list[dict]:
 @pytest.mark.timeout(1800)
 def test_reduced_default_run_learns(tmp_path: Path) -> None:
     """The embedded default, shorter eval: perplexity falls, SFT helps, and GRPO lifts task accuracy by 10+
-    points over the SFT model trained on noisy demonstrations (README "What you should see": +30 to +37)."""
+    points over the SFT model trained on noisy demonstrations (README "What you should see": about +40)."""
     r = run_pipeline(
         f"run.root={tmp_path}",
         "eval.num_task_examples=100",
