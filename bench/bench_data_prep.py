@@ -1,6 +1,7 @@
 """Data prep throughput: 1 vs 2 ranks, peak memory against corpus size, and Megatron-LM's preprocess_data.py.
 
-    python bench/bench_data_prep.py --mb 200 [--megatron-lm /path/to/Megatron-LM checkout]
+    python bench/bench_data_prep.py --mb 50 [--megatron-lm /path/to/Megatron-LM checkout]
+    python bench/bench_data_prep.py --mb 1000 --memory-only
 
 Generates a JSON-lines corpus of ``--mb`` MB in a temp folder, trains one tokenizer on it, then times
 ``data_prep`` (corpus=sources, the given tokenizer) with 1 rank and with 2 ranks (two processes meeting
@@ -79,7 +80,9 @@ def run_ranks(cfg: dict, out: Path, ranks: int) -> dict:
     return {"wall_s": time.perf_counter() - t, "peak_rss_mb": max(r["peak_rss_mb"] for r in results)}
 
 
-def megatron_baseline(mlm: Path, corpus: Path, tok_dir: Path, workers: int, tmp: Path) -> float | str:
+def megatron_baseline(
+    mlm: Path, corpus: Path, tok_dir: Path, workers: int, tmp: Path, python: str
+) -> float | str:
     script = mlm / "tools" / "preprocess_data.py"
     if not script.is_file():
         return f"no {script}"
@@ -88,7 +91,7 @@ def megatron_baseline(mlm: Path, corpus: Path, tok_dir: Path, workers: int, tmp:
     except ImportError:
         return "its HuggingFaceTokenizer needs the transformers package (pip install transformers)"
     cmd = [
-        sys.executable,
+        python,
         str(script),
         "--input",
         str(corpus),
@@ -104,15 +107,27 @@ def megatron_baseline(mlm: Path, corpus: Path, tok_dir: Path, workers: int, tmp:
     ]
     t = time.perf_counter()
     r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(mlm)}, capture_output=True, text=True)
-    if r.returncode:
+    wall = time.perf_counter() - t
+    out = tmp / "mlm_text_document.bin"
+    if r.returncode or not out.is_file() or out.stat().st_size == 0:  # a worker's error may still exit 0
         return "failed: " + (r.stderr.strip().splitlines() or ["?"])[-1]
-    return time.perf_counter() - t
+    return wall
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=50.0, help="corpus size in MB")
     ap.add_argument("--megatron-lm", type=Path, default=None, help="a Megatron-LM checkout (baseline)")
+    ap.add_argument(
+        "--megatron-python",
+        default=sys.executable,
+        help="interpreter for the baseline (its megatron.core imports triton, which a CPU venv may lack)",
+    )
+    ap.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="one 2-rank run: peak RSS per rank against the corpus size (no scaling, no baseline)",
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from pipeline.config import DataConfig, DataSource, PipelineConfig
@@ -126,6 +141,14 @@ def main() -> int:
         tok_dir = tmp / "tok"
         tok_dir.mkdir()
         (tok_dir / "tokenizer.json").write_text(data_prep.train_tokenizer(sample, 4096).to_str())
+        # What transformers' AutoTokenizer (Megatron-LM's HuggingFaceTokenizer) needs to find the eod token
+        eod = data_prep.SPECIAL_TOKENS["eod"]
+        tok_cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": eod,
+            "model_max_length": 1 << 30,
+        }
+        (tok_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
         cfg = PipelineConfig()
         cfg.data = DataConfig(
             corpus="sources",
@@ -137,6 +160,13 @@ def main() -> int:
             shard_mb=max(1.0, args.mb / 16),
         )
         cfg.data_prep.threads = 1
+        if args.memory_only:
+            r = run_ranks(cfg.to_dict(), tmp / "out2", 2)
+            print(
+                f"corpus {size / 1e6:.0f} MB, data_prep 2 ranks: {r['wall_s']:.1f} s, peak RSS "
+                f"{r['peak_rss_mb']:.0f} MB per rank: the corpus is {size / 1e6 / r['peak_rss_mb']:.1f}x one rank's memory"
+            )
+            return 0
         runs = {n: run_ranks(cfg.to_dict(), tmp / f"out{n}", n) for n in (1, 2)}
         eff = runs[1]["wall_s"] / (2 * runs[2]["wall_s"])
         print(f"corpus {size / 1e6:.0f} MB")
@@ -146,8 +176,13 @@ def main() -> int:
             )
         print(f"1 -> 2 ranks scaling efficiency: {eff:.2f} (goal >= 0.90)")
         if args.megatron_lm:
-            base = megatron_baseline(args.megatron_lm, corpus, tok_dir, 1, tmp)
+            base = megatron_baseline(args.megatron_lm, corpus, tok_dir, 1, tmp, args.megatron_python)
             if isinstance(base, float):
+                ours = sum(f.stat().st_size for f in (tmp / "out1").glob("text_*.bin"))
+                theirs = (tmp / "mlm_text_document.bin").stat().st_size
+                print(
+                    f"token bytes: ours {ours}, Megatron-LM {theirs} ({'same' if ours == theirs else 'DIFFER'})"
+                )
                 print(
                     f"Megatron-LM preprocess_data.py, 1 worker: {base:.1f} s; ratio ours/theirs: {base / runs[1]['wall_s']:.2f}x (goal >= 2)"
                 )

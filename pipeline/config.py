@@ -539,7 +539,7 @@ class TrainStage:
     pack_examples: bool = False
     """SFT: pack consecutive examples into each sequence of seq_length tokens (positions restart and attention stays within each example; a sample is then a packed row). Applies to the prompt/response SFT file, not yet to users' chat data (data.sft_paths)."""
     checkpoint_verify: str = "full"
-    """How a resume checks the newest checkpoint, each rank its own files in parallel: full (every byte against the marker's sha256), sampled (sizes plus 8 sampled 4 MiB blocks per file), sizes."""
+    """How a resume checks the newest checkpoint, each rank its own files in parallel: full (every byte against the marker's whole-file checksum), sampled (sizes plus 8 sampled 4 MiB blocks per file), sizes."""
     beta: float = num(0.1, gt=0)
     """Strength of the KL anchor to the frozen reference model (rlhf only): DPO's beta; GRPO's KL penalty coefficient (k3 estimator)."""
     algorithm: str = "dpo"
@@ -649,8 +649,8 @@ class PlannerConfig:
     """Memory of one GPU in GiB, as nvidia-smi reports it (H100: 80)."""
     reserve_gb: float = num(4.0, ge=0)
     """GiB per GPU held back for the CUDA context, NCCL buffers and allocator fragmentation."""
-    sha256_gb_s: float = num(1.5, gt=0)
-    """sha256 speed of one rank's core in GB/s (checkpoint verification; about 1.5 with SHA extensions)."""
+    checksum_gb_s: float = num(8.0, gt=0)
+    """Checksum (xxh3_128) speed of one rank's core in GB/s for checkpoint verification (bench/bench_verify.py prints it; about 10 here)."""
 
     def __post_init__(self) -> None:
         check_domains(self)

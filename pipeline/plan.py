@@ -140,7 +140,7 @@ def _check_batch(par: ParallelConfig, plan: ParallelPlan, key: str) -> None:
 
 
 def _check_features(cfg: PipelineConfig, par: ParallelConfig, key: str) -> None:
-    """Sequence parallel needs Transformer Engine and tp >= 2; CPU ranks cannot run fp16."""
+    """Sequence parallel needs Transformer Engine and tp >= 2 (fp16 runs everywhere: tests/test_precision.py)."""
     if par.sequence_parallel and not _has_transformer_engine():
         raise ConfigError(
             f"{key}.sequence_parallel=True: needs the Transformer Engine layer spec (GPU with transformer_engine "
@@ -148,8 +148,6 @@ def _check_features(cfg: PipelineConfig, par: ParallelConfig, key: str) -> None:
         )
     if par.sequence_parallel and par.tp < 2:
         raise ConfigError(f"{key}.sequence_parallel=True: needs tp >= 2")
-    if cfg.cluster.gpus_per_node == 0 and par.precision == "fp16":
-        raise ConfigError(f"{key}.precision=fp16: CPU runs support fp32 and bf16; use bf16")
 
 
 def _has_transformer_engine() -> bool:

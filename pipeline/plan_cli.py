@@ -68,7 +68,7 @@ def format_plan(cfg: PipelineConfig, estimates: list[StageEstimate]) -> str:
         f"kv groups, ffn {m.ffn_hidden_size or 4 * m.hidden_size}, vocab {config_vocab(cfg)}, seq {m.seq_length}",
         f"assumed GPU: {p.gpu_peak_tflops:g} TFLOP/s peak, {p.gpu_memory_gb:g} GiB ({p.reserve_gb:g} GiB "
         f"reserved), MFU {p.mfu:g} (planner.*); filesystem {cfg.cluster.fs_bandwidth_gb_s:g} GB/s per node, "
-        f"sha256 {p.sha256_gb_s:g} GB/s per rank",
+        f"checksums {p.checksum_gb_s:g} GB/s per rank",
     ]
     if not estimates:
         lines.append("no training stage in run.stages: nothing to estimate")
@@ -92,7 +92,7 @@ def _checkpoint(est: StageEstimate) -> list[str]:
          f"{_bytes(ck.node_bytes)} per node"),
         ("save / load", f"{_duration(ck.save_s)} / {_duration(ck.load_s)} (cluster.fs_bandwidth_gb_s per node)"),
         ("verify on resume, per rank", f"{_duration(ck.verify_s)} (one process alone: "
-         f"{_duration(ck.verify_rank0_alone_s)}; planner.sha256_gb_s)"),
+         f"{_duration(ck.verify_rank0_alone_s)}; planner.checksum_gb_s)"),
     ]  # fmt: skip
     return ["checkpoint"] + [f"  {label}".ljust(_LABEL) + value for label, value in rows]
 

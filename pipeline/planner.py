@@ -222,7 +222,7 @@ class CheckpointEstimate:
     moments); replicated tensors are written once, by data-parallel rank 0, and the distributed optimizer
     spreads its state over the data-parallel ranks. Every rank writes and reads its files at once; a node's
     ranks share ``cluster.fs_bandwidth_gb_s``. Verification (on resume, every rank its own files) reads the
-    files again and hashes them at ``planner.sha256_gb_s`` per rank.
+    files again and hashes them at ``planner.checksum_gb_s`` per rank.
     """
 
     total_bytes: int
@@ -245,7 +245,7 @@ def checkpoint_estimate(cfg: PipelineConfig, est: StageEstimate) -> CheckpointEs
     total = sum(r.params for r in est.ranks) * est.plan.tp * (w + o)
     node_bytes = min(rank_bytes * est.plan.tasks_per_node, total)
     bw = cfg.cluster.fs_bandwidth_gb_s * 1e9
-    hash_rate = cfg.planner.sha256_gb_s * 1e9
+    hash_rate = cfg.planner.checksum_gb_s * 1e9
     io_s = node_bytes / bw
     return CheckpointEstimate(
         total_bytes=total,

@@ -24,7 +24,12 @@ def format_record(stage: str, rec: dict[str, Any]) -> str | None:
             f"[{stage}] step {rec.get('step')}/{rec.get('iters', '?')}",
             f"loss {rec.get('loss', float('nan')):.4f}",
         ]
-        for key, label in (("reward_margin", "margin"), ("pref_acc", "pref_acc")):
+        for key, label in (
+            ("reward_margin", "margin"),
+            ("pref_acc", "pref_acc"),
+            ("reward_mean", "reward"),
+            ("kl", "kl"),
+        ):
             if key in rec:
                 parts.append(f"{label} {rec[key]:.3f}")
         if "tokens_per_s" in rec:

@@ -26,6 +26,7 @@ BINARY=(
   "cloudpickle>=3"
   "PyYAML>=6"
   "psutil>=5.9"
+  "xxhash>=3.0"
   "zstandard>=0.22"
   "pytest>=8"
   "Pygments>=2.7"

@@ -478,7 +478,7 @@ class _World:
 
     def on_root(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on rank 0 and give its result (or its error) to every rank."""
-        if self.comm is None:
+        if self.size == 1:
             return fn()
         result: tuple[str, Any] = ("ok", None)
         if self.rank == 0:
@@ -486,10 +486,14 @@ class _World:
                 result = ("ok", fn())
             except Exception as e:
                 result = ("error", e)
-        result = self.comm.bcast(result, root=0)
+        result = self._from_root(result)
         if result[0] == "error":
             raise result[1]
         return result[1]
+
+    def _from_root(self, value: Any) -> Any:
+        """Rank 0's ``value``, on every rank."""
+        return self.comm.bcast(value, root=0)
 
     def sum(self, value: int) -> int:
         return value if self.comm is None else int(self.comm.allreduce(value))
@@ -536,17 +540,8 @@ class _FileWorld(_World):
         self._put(f"{self._n}-{self.rank}", value)
         return [self._get(f"{self._n}-{r}") for r in range(self.size)]
 
-    def on_root(self, fn: Callable[[], T]) -> T:
-        result: tuple[str, Any] = ("ok", None)
-        if self.rank == 0:
-            try:
-                result = ("ok", fn())
-            except Exception as e:
-                result = ("error", e)
-        result = self._exchange(result)[0]
-        if result[0] == "error":
-            raise result[1]
-        return result[1]
+    def _from_root(self, value: Any) -> Any:
+        return self._exchange(value)[0]
 
     def sum(self, value: int) -> int:
         return int(sum(self._exchange(value)))

@@ -118,7 +118,7 @@ def test_truncated_and_flipped_files_are_detected_and_skipped(
         f"the marker records {truncated.stat().st_size + 7}"
     ]
     problems = ck.verify(root / "iter_0000002")
-    assert len(problems) == 1 and problems[0].startswith(f"{flipped}: sha256 ")
+    assert len(problems) == 1 and problems[0].startswith(f"{flipped}: {ck.HASH} ")
     assert ck.verify(root / "iter_0000002", checksums=False) == []
 
     with caplog.at_level(logging.WARNING, logger=ck.__name__):

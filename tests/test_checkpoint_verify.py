@@ -20,12 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 FILES = ("__0_0.distcp", "__1_0.distcp", "rng.rank0.pt", "rng.rank1.pt", "common.pt", ".metadata")
 
 
-def make_checkpoint(root: Path, iteration: int, size: int = 3000) -> Path:
+def make_checkpoint(root: Path, iteration: int, size: int = 3000, algo: str = ck.HASH) -> Path:
     path = root / ck.iter_dir_name(iteration)
     path.mkdir(parents=True)
     for i, name in enumerate(FILES):
         (path / name).write_bytes(bytes((iteration * 7 + i + j) % 251 for j in range(size)))
-    files = {name: ck._file_record(path / name) for name in FILES}
+    files = {name: ck._file_record(path / name, algo=algo) for name in FILES}
     ck._write_marker(path, {"iteration": iteration, "files": files})
     (root / ck.LATEST).write_text(path.name + "\n")
     return path
@@ -60,7 +60,20 @@ def test_sampled_mode_checks_sampled_blocks(tmp_path: Path, monkeypatch: pytest.
     flip_byte(path / "__1_0.distcp", 64 * 19 + 5)
     flip_byte(path / "__1_0.distcp", 64 * 1 + 5)  # block 1 is not sampled: only full verification sees it
     assert ck.verify(path, mode="sampled") == []
-    assert "sha256" in ck.verify(path, mode="full")[0]
+    assert ck.HASH in ck.verify(path, mode="full")[0]
+
+
+@pytest.mark.parametrize("mode", ["full", "sampled"])
+def test_markers_with_sha256_still_verify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Checkpoints whose marker records sha256 (written before xxh3_128) verify with sha256."""
+    monkeypatch.setattr(ck, "_HASH_BLOCK", 64)
+    path = make_checkpoint(tmp_path, 1, size=64 * 20, algo="sha256")
+    record = json.loads((path / ck.MARKER).read_text())["files"]["__1_0.distcp"]
+    assert "sha256" in record and ck.HASH not in record
+    assert ck.verify(path, mode=mode) == []
+    flip_byte(path / "__1_0.distcp", 64 * 19 + 5)  # the last block: sampled and hashed in full
+    problem = ck.verify(path, mode=mode)[0]
+    assert "sha256" in problem and "__1_0.distcp" in problem
 
 
 @pytest.mark.dist
@@ -97,7 +110,7 @@ def test_two_ranks_verify_their_own_files_and_agree(tmp_path: Path) -> None:
     assert corrupt in r1["hashed"] and corrupt not in r0["hashed"]
     assert not any("__1_" in f or "rank1" in f for f in r0["hashed"]), r0["hashed"]
     assert not any("__0_" in f or "rank0" in f or "common" in f for f in r1["hashed"]), r1["hashed"]
-    assert f"skipping checkpoint {newest}: {corrupt}: sha256" in err0  # rank 0 reports rank 1's finding
+    assert f"skipping checkpoint {newest}: {corrupt}: {ck.HASH}" in err0  # rank 0 reports rank 1's finding
 
 
 def _worker(root: str) -> None:

@@ -260,7 +260,6 @@ BAD_LAYOUTS = [
     ),
 ]
 CPU_BAD_LAYOUTS = [
-    (["pretrain.parallel.precision=fp16"], "pretrain.parallel.precision=fp16"),
     (["pretrain.parallel.tp=4", "pretrain.parallel.nodes=1"], "pretrain.parallel.nodes=1"),
 ]
 
@@ -270,6 +269,11 @@ def test_bad_gpu_layout_fails_at_config_time(overrides: list[str], message: str)
     with pytest.raises(ConfigError) as e:
         compose_config([*GPU_CLUSTER, *overrides])
     assert str(e.value).startswith(message), str(e.value)
+
+
+def test_fp16_is_accepted_on_cpu() -> None:
+    """fp16 with dynamic loss scaling trains on CPU ranks too (tests/test_precision.py)."""
+    assert compose_config(["pretrain.parallel.precision=fp16"]).pretrain.parallel.precision == "fp16"
 
 
 @pytest.mark.parametrize(("overrides", "message"), CPU_BAD_LAYOUTS, ids=[m for _, m in CPU_BAD_LAYOUTS])

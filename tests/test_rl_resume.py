@@ -1,0 +1,173 @@
+"""GRPO through the command line: a rollout stage killed mid-run from outside resumes bit for bit.
+
+The SFT model comes from one short data_prep -> pretrain -> sft run (counting up to 9, so sampled answers
+are sometimes right and the rewards vary); each scenario copies it and runs only the rlhf stage with
+``rlhf=grpo`` (two updates per rollout, so the old log-probs path runs too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = [
+    "experiment=tiny",
+    "rlhf=grpo",
+    "data.max_operand=9",
+    "data.num_eval_examples=2",
+    "eval.num_task_examples=2",
+    "sft.iters=60",
+    "sft.lr=5e-3",
+    "sft.min_lr=5e-4",
+    "sft.parallel.global_batch_size=16",
+    "sft.warmup_iters=2",
+    "sft.seq_length=32",
+    "rlhf.iters=6",
+    "rlhf.save_interval=2",
+    "rlhf.warmup_iters=1",
+    "rlhf.lr=1e-3",
+    "rlhf.min_lr=1e-4",
+    "rlhf.group_size=4",
+    "rlhf.max_new_tokens=4",
+    "rlhf.ppo_epochs=2",
+    "rlhf.parallel.global_batch_size=8",
+    "rlhf.parallel.micro_batch_size=4",
+    "rlhf.hang_timeout_s=120",
+    "rlhf.log_interval=1",
+]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def run(root: Path, *overrides: str, fault: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *BASE, f"run.root={root}", *overrides],
+        cwd=REPO,
+        env={**os.environ, "PIPELINE_FAULT": fault},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def run_dir(root: Path) -> Path:
+    (d,) = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return d
+
+
+def rlhf_dir(root: Path) -> Path:
+    return run_dir(root) / "stages" / "rlhf"
+
+
+def final_tensors(root: Path) -> dict[str, torch.Tensor]:
+    from stages.engine.checkpoint import find_latest, load_tensors
+
+    latest = find_latest(rlhf_dir(root) / "checkpoints", collective=False)
+    assert latest is not None and latest.name == "iter_0000006", latest
+    return load_tensors(latest)
+
+
+def metrics(root: Path) -> list[dict]:
+    return [json.loads(x) for x in (rlhf_dir(root) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def sft_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("sft")
+    r = run(root, "run.stages=[data_prep,pretrain,sft]")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return root
+
+
+def seeded(sft_root: Path, dest: Path) -> Path:
+    """A copy of the run with data_prep, pretrain and sft completed (the prepared data is a symlink)."""
+    shutil.copytree(sft_root, dest, symlinks=True, dirs_exist_ok=True)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def baseline(sft_root: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
+    root = seeded(sft_root, tmp_path_factory.mktemp("base"))
+    r = run(root, "run.stages=[rlhf]")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return final_tensors(root), metrics(root)
+
+
+def test_grpo_writes_the_rl_metrics_and_learns_from_varied_rewards(baseline: tuple[dict, list[dict]]) -> None:
+    _, lines = baseline
+    train = [m for m in lines if m["kind"] == "train"]
+    assert [m["step"] for m in train] == [1, 2, 3, 4, 5, 6]
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "kl",
+        "entropy",
+        "clip_frac",
+        "response_len",
+        "gen_tokens_per_s",
+    ):
+        assert all(key in m for m in train), key
+    assert all(m["time_generate_s"] > 0 and m["time_fwd_bwd_s"] > 0 for m in train)
+    assert any(m["reward_std"] > 0 for m in train[2:]), train  # advantages are not all zero after the kill
+    assert any(m["clip_frac"] > 0 or m["kl"] > 0 for m in train[1:]), train
+
+
+def _wait_for(what: str, cond: object, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _progress(root: Path) -> int:
+    try:
+        return int(json.loads((rlhf_dir(root) / "progress.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def test_grpo_killed_mid_run_resumes_bit_identical(
+    sft_root: Path, baseline: tuple[dict, list[dict]], tmp_path: Path
+) -> None:
+    from stages.engine.checkpoint import load_tensors
+
+    root = seeded(sft_root, tmp_path / "killed")
+    cmd = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *BASE, f"run.root={root}", "run.stages=[rlhf]"],
+        cwd=REPO,
+        env={**os.environ, "PIPELINE_FAULT": "hang@step:4"},  # stays before step 4 (after step 3)
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        ckpt = rlhf_dir(root) / "checkpoints" / "iter_0000002" / "COMPLETE.json"
+        _wait_for("the step-2 checkpoint and step 3", lambda: ckpt.exists() and _progress(root) >= 3)
+    finally:
+        os.killpg(cmd.pid, signal.SIGKILL)  # the command, the job controller, the rank: the whole group
+        cmd.wait()
+    r = run(root, "run.stages=[rlhf]")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    resumes = [m for m in metrics(root) if m["kind"] == "resume"]
+    assert [(m["from_step"], m["steps_lost"]) for m in resumes] == [(2, 1)], resumes
+    final, _ = baseline
+    got = final_tensors(root)
+    assert got.keys() == final.keys()
+    diff = [k for k in final if not torch.equal(final[k], got[k])]
+    assert not diff, f"tensors differ after the resume: {diff[:5]}"
+    # the policy moved away from the SFT weights it started from (so equality above means something)
+    sft = load_tensors(run_dir(root) / "stages" / "sft" / "checkpoints" / "iter_0000060")
+    moved = [k for k in sft if k in got and k.startswith("decoder") and not torch.equal(sft[k], got[k])]
+    assert moved, "GRPO left every weight unchanged"
