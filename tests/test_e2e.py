@@ -82,7 +82,8 @@ def test_reduced_default_run_learns(tmp_path: Path) -> None:
     assert len(valid) >= 2 and valid[-1] < valid[0] < 4096, valid
     models = json.loads((run_dir / "stages" / "eval" / "results.json").read_text())["models"]
     assert models["sft"]["task_accuracy"] >= models["pretrain"]["task_accuracy"] + 0.20, models
-    assert models["sft"]["task_accuracy"] <= 0.75, models  # greedy SFT learned the noisy demonstrations' error
+    # greedy SFT learned the noisy demonstrations' error, GRPO with the checker fixes it
+    assert models["sft"]["task_accuracy"] <= 0.75, models
     assert models["rlhf"]["task_accuracy"] >= models["sft"]["task_accuracy"] + 0.10, models
     assert models["rlhf"]["pref_accuracy"] >= 0.70, models
     assert "task acc" in r.stdout and "pref acc" in r.stdout  # the results table
