@@ -383,6 +383,8 @@ class DataConfig:
     """Share of pretraining documents that are task examples written as plain text."""
     num_sft_examples: int = num(4000, ge=1)
     """SFT (prompt, response) examples."""
+    sft_noise: float = num(0.0, ge=0, le=1)
+    """Noisy demonstrations: the share of SFT examples of the task's noisy class (counting: odd numbers, answered with the number itself; arithmetic: carries, answered with the carry dropped) whose answer is that systematic error. Above 0.5 greedy SFT learns the wrong answer there while sampling still finds the right one: what RL with the task checker as reward can fix. Preference and eval sets stay correct."""
     num_pref_pairs: int = num(2000, ge=1)
     """DPO (prompt, chosen, rejected) pairs."""
     num_eval_examples: int = num(200, ge=1)

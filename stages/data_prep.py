@@ -18,8 +18,10 @@ Steps (``main``):
    then) every rank tokenizes a contiguous shard of the documents into its own indexed dataset and rank
    0 concatenates the shards in rank order with ``IndexedWriter.add_index`` (stages/indexed.py); one rank goes
    through the same code with a single shard, so the output is byte-identical for any N.
-5. Write ``sft_train.jsonl``, ``pref_train.jsonl``, ``eval_task.jsonl``, ``eval_pref.jsonl`` (held-out
-   prompts never appear in a training file) and ``tokenizer.json``.
+5. Write ``sft_train.jsonl`` (with ``data.sft_noise``'s systematic errors, if any), ``pref_train.jsonl``,
+   ``rl_train.jsonl`` (online RL's prompt stream: ``{prompt, answer}``, the checker's right answer),
+   ``eval_task.jsonl``, ``eval_pref.jsonl`` (held-out prompts never appear in a training file) and
+   ``tokenizer.json``.
 6. Write ``manifest.json`` last: counts, vocabulary size, special-token ids and every file's sha256.
    A stale manifest is deleted before anything else is written, and every file goes to a temporary
    name first and is renamed, so a directory with a manifest is always complete and consistent.
@@ -66,7 +68,7 @@ ENCODE_BATCH = 512
 T = TypeVar("T")
 
 # Seed streams: changing one count never changes the other generated sets.
-_SPLIT, _HELD_OUT, _SFT, _PREF, _MIX, _EVAL_PREF = range(6)
+_SPLIT, _HELD_OUT, _SFT, _PREF, _MIX, _EVAL_PREF, _SFT_NOISE, _RL = range(8)
 
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
@@ -439,15 +441,21 @@ def write_task_files(out: Path, d: DataConfig, held: tasks.TaskSplit) -> dict[st
     pref_rng = _rng(d.seed, _PREF)
     pref = [tasks.pref_record(p, pref_rng) for p in held.train_problems(d.num_pref_pairs, pref_rng)]
     eval_rng = _rng(d.seed, _EVAL_PREF)
+    sft_records, sft_wrong = tasks.noisy_sft_records(sft, d.sft_noise, _rng(d.seed, _SFT_NOISE))
     files = {
-        "sft_train.jsonl": [tasks.sft_record(p) for p in sft],
+        "sft_train.jsonl": sft_records,
         "pref_train.jsonl": pref,
+        "rl_train.jsonl": [
+            tasks.eval_record(p) for p in held.train_problems(d.num_sft_examples, _rng(d.seed, _RL))
+        ],
         "eval_task.jsonl": [tasks.eval_record(p) for p in held.held_out],
         "eval_pref.jsonl": [tasks.pref_record(p, eval_rng) for p in held.held_out],
     }
     for name, records in files.items():
         _atomic_write(out / name, "".join(json.dumps(r) + "\n" for r in records))
-    return {name.removesuffix(".jsonl"): len(records) for name, records in files.items()}
+    counts: dict[str, int] = {name.removesuffix(".jsonl"): len(records) for name, records in files.items()}
+    counts["sft_train_wrong"] = sft_wrong  # demonstrations given a systematic error (data.sft_noise)
+    return counts
 
 
 def write_manifest(
@@ -461,7 +469,8 @@ def write_manifest(
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Checksum every output file and write ``manifest.json`` (last, atomically)."""
-    names = ["tokenizer.json", "sft_train.jsonl", "pref_train.jsonl", "eval_task.jsonl", "eval_pref.jsonl"]
+    names = ["tokenizer.json", "sft_train.jsonl", "pref_train.jsonl", "rl_train.jsonl", "eval_task.jsonl"]
+    names += ["eval_pref.jsonl"]
     text_files = text_files if text_files is not None else [f"text_{s}" for s in ("train", "valid")]
     names += [f"{t}{ext}" for t in text_files for ext in (".bin", ".idx")]
     chat = {k: f for k, f in CHAT_FILES.items() if (out / f).is_file()}

@@ -1,6 +1,6 @@
-"""The generated, program-checkable task used for SFT, DPO and eval: small-integer arithmetic.
+"""The generated, program-checkable tasks used for SFT, RLHF and eval: counting (the default) and arithmetic.
 
-A problem is ``a + b`` or ``a - b`` (with ``a >= b``, so answers are never negative), operands drawn
+``counting``: "What comes after 47?" -> "48". ``arithmetic``: a problem is ``a + b`` or ``a - b`` (with ``a >= b``, so answers are never negative), operands drawn
 uniformly from ``[0, max_operand]``. The prompt is ``"What is 23 + 45?"`` and the answer is the plain
 decimal ``"68"``; the tokenizer splits digits one per token, so the model writes answers digit by digit.
 
@@ -19,6 +19,13 @@ data here. The task code works for any ``max_operand``; small operands are the e
 
 Held-out prompts (``eval_task.jsonl``, ``eval_pref.jsonl``) never appear in any training file: they
 are drawn first, and every training problem is drawn from the rest of the problem space.
+
+Noisy demonstrations (``data.sft_noise``, :func:`noisy_sft_records`): the embedded default trains SFT on
+demonstrations from a demonstrator with a systematic slip on half of the problems (counting: odd numbers
+answered with the number itself), 70% of the time. Greedy SFT then learns the slip as the answer there
+(held-out accuracy ~0.57 instead of ~0.96) while about a quarter of its samples still hold the right answer,
+which is what RL with this module's checker as reward finds and reinforces (README "What you should see").
+Preference pairs, RL prompts (``rl_train.jsonl``) and eval sets always carry the right answers.
 
 Rejected answers for preference pairs are near misses a weak model could plausibly produce
 (:func:`near_misses`): off by one, off by ten, two adjacent digits swapped, the carry (or borrow)
@@ -197,6 +204,48 @@ def miss_kind(p: Problem, wrong: str) -> str | None:
 
 def sft_record(p: Problem) -> dict[str, str]:
     return {"prompt": p.prompt, "response": p.answer}
+
+
+def systematic_error(p: Problem) -> str | None:
+    """The wrong answer a noisy demonstrator writes for ``p``, or None if ``p`` is outside the noisy class.
+
+    The noisy class is about half of the problems, and the error is one fixed near miss per problem, so a
+    model trained on the noisy demonstrations learns it as the most likely answer there:
+
+    - ``counting``: odd numbers; the demonstrator writes the number itself ("What comes after 47?" -> "47",
+      the fencepost slip), so correct and wrong answers differ only in the last digit.
+    - ``arithmetic``: problems with a carry (addition) or a borrow (subtraction); the carry is dropped
+      ("What is 27 + 15?" -> "32").
+    """
+    if p.op == "after":
+        return str(p.a) if p.a % 2 == 1 else None
+    wrong = _carry_dropped(p)
+    return None if wrong == p.value else str(wrong)
+
+
+def noisy_sft_records(
+    problems: list[Problem], noise: float, rng: np.random.Generator
+) -> tuple[list[dict[str, str]], int]:
+    """SFT records where each problem of the noisy class gets :func:`systematic_error`'s answer with
+    probability ``noise`` (the rest stay correct); returns the records and how many are wrong.
+
+    With ``noise > 0.5`` greedy decoding of the SFT model picks the wrong answer on the noisy class while the
+    right one keeps about ``1 - noise`` of the sampled answers: a verifier reward (RL) can find and
+    reinforce it, imitation of the same data cannot. One draw per problem, in order, whatever the class,
+    so the records depend only on the seed and ``noise``.
+    """
+    if not 0.0 <= noise <= 1.0:
+        raise ValueError(f"noise={noise}: must be in [0, 1]")
+    draws = rng.random(len(problems))
+    records, wrong = [], 0
+    for p, u in zip(problems, draws, strict=True):
+        error = systematic_error(p)
+        if error is not None and u < noise:
+            records.append({"prompt": p.prompt, "response": error})
+            wrong += 1
+        else:
+            records.append(sft_record(p))
+    return records, wrong
 
 
 def pref_record(p: Problem, rng: np.random.Generator) -> dict[str, str]:

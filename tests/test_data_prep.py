@@ -26,6 +26,7 @@ OUTPUTS = [
     "text_valid.idx",
     "sft_train.jsonl",
     "pref_train.jsonl",
+    "rl_train.jsonl",
     "eval_task.jsonl",
     "eval_pref.jsonl",
     "manifest.json",
@@ -196,6 +197,7 @@ def test_generated_sets_hold_out_eval_prompts(prepared: tuple[PipelineConfig, Pa
     assert held == {r["prompt"] for r in load("eval_pref.jsonl")} and len(held) == 20
     assert not held & {r["prompt"] for r in load("sft_train.jsonl")}
     assert not held & {r["prompt"] for r in load("pref_train.jsonl")}
+    assert not held & {r["prompt"] for r in load("rl_train.jsonl")}
     train, _ = expected_documents(cfg)
     mixed = {
         line.rsplit("?", 1)[0] + "?"

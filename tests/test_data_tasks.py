@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from stages import tasks
 
@@ -64,3 +65,17 @@ def test_counting_task() -> None:
     train = split.train_problems(500, np.random.default_rng(4))
     assert not held & {q.prompt for q in train}
     assert tasks.space_size(999, "counting") == 1000
+
+
+def test_noisy_demonstrations_are_systematic_on_their_class_only() -> None:
+    problems = [tasks.Problem(n, "after", 1) for n in range(2000)]
+    records, wrong = tasks.noisy_sft_records(problems, 0.7, np.random.default_rng(0))
+    bad = [(p, r) for p, r in zip(problems, records) if r["response"] != p.answer]
+    assert len(bad) == wrong and all(p.a % 2 == 1 and r["response"] == str(p.a) for p, r in bad)
+    assert 0.65 < wrong / 1000 < 0.75  # 1000 odd numbers, 70% of them wrong
+    assert tasks.noisy_sft_records(problems, 0.0, np.random.default_rng(0))[1] == 0
+    assert records == tasks.noisy_sft_records(problems, 0.7, np.random.default_rng(0))[0]
+    assert tasks.systematic_error(tasks.Problem(27, "+", 15)) == "32"  # arithmetic: the carry dropped
+    assert tasks.systematic_error(tasks.Problem(21, "+", 15)) is None  # no carry: never noisy
+    with pytest.raises(ValueError, match="noise=1.5"):
+        tasks.noisy_sft_records(problems, 1.5, np.random.default_rng(0))

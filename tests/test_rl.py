@@ -125,7 +125,7 @@ def test_verifier_reward_checks_each_response_against_its_prompts_answer() -> No
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["rlhf.group_size=5"], "rlhf.parallel.global_batch_size=32: must be a multiple of group_size=5"),
+        (["rlhf.group_size=5"], "rlhf.parallel.global_batch_size=64: must be a multiple of group_size=5"),
         (["rlhf.algorithm=ppo2"], "rlhf.algorithm"),
         (["rlhf.clip_eps=1.5"], "rlhf.clip_eps=1.5"),
         (["rlhf.ppo_epochs=0"], "rlhf.ppo_epochs=0"),
