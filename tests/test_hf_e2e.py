@@ -58,7 +58,7 @@ def test_sft_dpo_from_hf_then_export_generates_like_eval(tmp_path: Path) -> None
         f"run.root={tmp_path / 'runs'}",
         f"sft.init_from=hf:{base}",
         "run.stages=[data_prep,sft,rlhf,eval]",
-        "rlhf.algorithm=dpo",
+        "rlhf=dpo",
         f"eval.models=[hf:{base},sft,rlhf]",
         "eval.max_new_tokens=6",
         "sft.lr=3e-3",
