@@ -3,7 +3,7 @@
     python bench/bench_hf_io.py [--hidden 512] [--layers 8] [--vocab 32000] [--tp 2] [--pp 1]
 
 1. Builds a random Llama-style model with transformers (fp32, sharded safetensors) in a temp directory.
-2. Import: ``tp*pp`` ranks each build their model slice, then ``stages.engine.convert.hf.load_hf`` reads
+2. Import: ``tp*pp`` ranks each build their model slice, then ``stages.engine.hf_weights.load_hf`` reads
    their own TP/PP slices from the shards. Per rank: its own shard (bytes of its parameters) and the extra
    peak RSS during the load (VmHWM after ``clear_refs`` minus the RSS before it), as ratios to its shard and
    to the whole model. The imported weights are saved as a dist checkpoint (under that layout).
@@ -54,7 +54,7 @@ def worker_import(spec: dict[str, Any]) -> dict[str, Any]:
     from pipeline.hf_arch import model_config
     from stages.engine import checkpoint
     from stages.engine import distributed as D
-    from stages.engine.convert.hf import load_hf
+    from stages.engine.hf_weights import load_hf
     from stages.engine.model import build_model
 
     hf = Path(spec["hf_dir"])
@@ -89,7 +89,7 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
             padded_vocab,
             write_shards,
         )
-        from stages.engine.convert.hf import to_hf_tensors
+        from stages.engine.hf_weights import to_hf_tensors
 
         torch.set_num_threads(1)
         before = _reset_peak()
@@ -101,7 +101,7 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
         from stages.engine import distributed as D
         from stages.engine.checkpoint import load_weights
         from stages.engine.convert.export import write_shards
-        from stages.engine.convert.hf import full_state_dict, to_hf_tensors
+        from stages.engine.hf_weights import full_state_dict, to_hf_tensors
         from stages.engine.model import build_model, unwrap
 
         D.init(1, 1, None, seed=0, threads=1)

@@ -182,7 +182,7 @@ def _eval_hf(
     chunks: list[Any], ref: str, tok: Any, sets: dict[str, Any], cfg: PipelineConfig
 ) -> dict[str, Any]:
     from pipeline.hf_arch import model_config, parse_ref
-    from stages.engine.convert.hf import load_hf
+    from stages.engine.hf_weights import load_hf
 
     hf_dir = parse_ref(ref) or Path(ref)
     load_hf(chunks, hf_dir, model_config(hf_dir))

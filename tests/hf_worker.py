@@ -61,7 +61,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from pipeline.config import ParallelConfig
     from pipeline.hf_arch import model_config
     from stages.engine import distributed as D
-    from stages.engine.convert.hf import load_hf
+    from stages.engine.hf_weights import load_hf
     from stages.engine.model import build_model
 
     tokens = torch.tensor(spec["tokens"], dtype=torch.long)

@@ -767,7 +767,7 @@ def load_weights(path: Path, model_chunks: list, *, fresh: tuple[str, ...] = ())
 
     rec = lora.checkpoint_record(path)
     if rec is not None:
-        lora.load_merged(path, model_chunks, rec)
+        _load_lora_merged(path, model_chunks, rec)
         return
     sharded = _sharded_state_dict(model_chunks, None, is_loading=True, part="base")
     if fresh:
@@ -777,6 +777,28 @@ def load_weights(path: Path, model_chunks: list, *, fresh: tuple[str, ...] = ())
         }
     strict = not lora.has_lora(model_chunks)
     _load_model(model_chunks, _dist_load(sharded, path), path, strict=strict, fresh=fresh)
+
+
+def _load_lora_merged(path: Path, model_chunks: list, rec: dict[str, Any]) -> None:
+    """A LoRA checkpoint as weights: the base it records (a Hugging Face directory or a checkpoint, itself
+    maybe LoRA), then its adapters merged in (each rank its shard)."""
+    from pipeline.hf_arch import is_hf_dir, model_config, parse_ref
+    from stages.engine import lora
+    from stages.engine.distributed import tp_rank
+    from stages.engine.hf_weights import load_hf
+
+    if not rec.get("base"):
+        raise CheckpointError(f"{path}: a LoRA checkpoint without a recorded base")
+    base = parse_ref(str(rec["base"])) or Path(rec["base"])
+    if is_hf_dir(base):
+        load_hf(model_chunks, base, model_config(base))
+    else:
+        found = base if (base / MARKER).is_file() else find_latest(base)
+        if found is None:
+            raise CheckpointError(f"{path}: its LoRA base {base} has no complete checkpoint")
+        load_weights(found, model_chunks)
+    tp_size = int(lora.unwrap(model_chunks[0]).config.tensor_model_parallel_size)
+    lora.merge_checkpoint(path, load_tensors(path), model_chunks, rec, tp_rank(), tp_size)
 
 
 def _dist_load(sharded: dict[str, Any], path: Path) -> dict[str, Any]:

@@ -43,15 +43,6 @@ PEFT_STATE_KEY = "peft"
 """Key of a LoRA stage's record in the checkpoint's common state: the settings and the base it adapts."""
 
 
-def _late(module: str) -> Any:
-    """A module imported at call time by name: checkpoint and convert.hf call back into this module (a LoRA
-    checkpoint's base is loaded recursively, maybe from a Hugging Face directory), so they are bound late
-    rather than imported (the engine's acyclic-siblings contract, tests/test_layering.py)."""
-    import importlib
-
-    return importlib.import_module(module)
-
-
 def unwrap(chunk: Any) -> Any:
     """The GPTModel inside DDP / Float16Module wrappers (as stages.engine.model.unwrap)."""
     while hasattr(chunk, "module"):
@@ -246,12 +237,12 @@ def checkpoint_record(path: Path) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) and rec.get("method") == "lora" else None
 
 
-def adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The full adapter tensors of a LoRA checkpoint by global parameter name
-    (``decoder.layers.<global layer>.<linear>.lora_a`` / ``.lora_b``); megatron saves the layers stacked
-    (``decoder.layers.<linear>.lora_a`` with a leading layer axis), unstacked here."""
+def adapter_tensors(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full adapter tensors of a LoRA checkpoint (``saved``: its tensors, checkpoint.load_tensors) by
+    global parameter name (``decoder.layers.<global layer>.<linear>.lora_a`` / ``.lora_b``); megatron saves
+    the layers stacked (``decoder.layers.<linear>.lora_a`` with a leading layer axis), unstacked here."""
     out = {}
-    for key, t in _late("stages.engine.checkpoint").load_tensors(path).items():
+    for key, t in saved.items():
         if not is_adapter_key(key) or key.startswith("optimizer"):
             continue
         if key.startswith("decoder.layers.") and t.dim() == 3:
@@ -262,9 +253,9 @@ def adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def full_deltas(path: Path, rec: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """``{global weight name: scale * B @ A}`` (full, unsharded tensors) of LoRA checkpoint ``path``."""
-    tensors = adapter_tensors(path)
+def full_deltas(saved: dict[str, torch.Tensor], rec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``{global weight name: scale * B @ A}`` (full, unsharded tensors) of a LoRA checkpoint's tensors."""
+    tensors = adapter_tensors(saved)
     scale = float(rec["alpha"]) / int(rec["rank"])
     out = {}
     for key, a in tensors.items():
@@ -275,9 +266,17 @@ def full_deltas(path: Path, rec: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def merge_checkpoint(path: Path, chunks: list[Any], rec: dict[str, Any], tp_rank: int, tp_size: int) -> int:
-    """Add the adapters of LoRA checkpoint ``path`` to the (base) weights of ``chunks``, each rank its shard."""
-    deltas = full_deltas(path, rec)
+def merge_checkpoint(
+    path: Path,
+    saved: dict[str, torch.Tensor],
+    chunks: list[Any],
+    rec: dict[str, Any],
+    tp_rank: int,
+    tp_size: int,
+) -> int:
+    """Add the adapters of LoRA checkpoint ``path`` (its tensors ``saved``) to the (base) weights of
+    ``chunks``, each rank its shard."""
+    deltas = full_deltas(saved, rec)
     merged = 0
     for chunk in chunks:
         model = unwrap(chunk)
@@ -297,31 +296,3 @@ def merge_checkpoint(path: Path, chunks: list[Any], rec: dict[str, Any], tp_rank
             linear.weight.add_(local.to(linear.weight.device, linear.weight.dtype))
             merged += 1
     return merged
-
-
-def load_base(base: str | Path, chunks: list[Any]) -> None:
-    """Load base weights into ``chunks``: a Hugging Face directory or a checkpoint (itself maybe LoRA)."""
-    from pipeline.hf_arch import is_hf_dir, parse_ref
-
-    checkpoint = _late("stages.engine.checkpoint")
-    path = parse_ref(str(base)) or Path(base)
-    if is_hf_dir(path):
-        from pipeline.hf_arch import model_config
-
-        _late("stages.engine.convert.hf").load_hf(chunks, path, model_config(path))
-        return
-    found = path if (path / checkpoint.MARKER).is_file() else checkpoint.find_latest(path)
-    if found is None:
-        raise ValueError(f"LoRA base {base}: no complete checkpoint there")
-    checkpoint.load_weights(found, chunks)
-
-
-def load_merged(path: Path, chunks: list[Any], rec: dict[str, Any]) -> None:
-    """A LoRA checkpoint as weights: its base (recorded in it), then its adapters merged in."""
-    from stages.engine import distributed as D
-
-    if not rec.get("base"):
-        raise ValueError(f"{path}: a LoRA checkpoint without a recorded base")
-    load_base(rec["base"], chunks)
-    tp_size = int(unwrap(chunks[0]).config.tensor_model_parallel_size)
-    merge_checkpoint(path, chunks, rec, D.tp_rank(), tp_size)

@@ -173,7 +173,7 @@ class Checkpointer:
 
         if is_hf_dir(self.init_from):  # a Hugging Face model directory (init_from=hf:<dir>)
             from pipeline.hf_arch import model_config
-            from stages.engine.convert.hf import load_hf
+            from stages.engine.hf_weights import load_hf
 
             load_hf(chunks, self.init_from, model_config(self.init_from))
             self.base_loaded = self.init_from

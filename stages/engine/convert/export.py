@@ -3,7 +3,7 @@
 ``export(model, checkpoint, out, tokenizer_dir)`` streams the checkpoint's weights layer by layer
 (:func:`iter_checkpoint_tensors`: megatron's dist_checkpointing reads one tensor's global slice at a time,
 whatever TP/PP/VPP/DP layout or distributed-optimizer setting saved it), converts each with
-stages.engine.convert.hf's table and hands it to a :class:`ShardWriter`, which writes size-capped
+stages.engine.hf_weights's table and hands it to a :class:`ShardWriter`, which writes size-capped
 ``model-XXXXX-of-YYYYY.safetensors`` shards as they fill, then ``model.safetensors.index.json``. Peak host
 memory of the writer: one tensor plus one shard being filled (``max_shard_bytes``). It also writes config.json,
 generation_config.json and the tokenizer files (tokenizer.json, tokenizer_config.json with the chat template).
@@ -172,18 +172,18 @@ STORAGE_ALIASES = {
     "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight",
 }
 """Checkpoint keys of megatron's layer specs (the norms fused into the next linear, as Transformer Engine
-names them; the local spec saves under the same keys) -> the parameter names of convert.hf.TABLE."""
+names them; the local spec saves under the same keys) -> the parameter names of hf_weights.TABLE."""
 
 
 def iter_checkpoint_tensors(checkpoint: Path, model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(global megatron name as in ``convert.hf.TABLE``, full TP=1 tensor) of every model weight of a dist
+    """(global megatron name as in ``hf_weights.TABLE``, full TP=1 tensor) of every model weight of a dist
     checkpoint, layer by layer, one tensor in memory at a time (plus what the caller keeps).
 
     Each tensor is read as its global region (a layer's slice of the stacked ``decoder.layers.*`` tensors,
     from the stored chunks that overlap it), so the layout that saved the checkpoint does not matter.
     Raises KeyError naming a model tensor of the checkpoint that the table does not map (e.g. an adapter).
     """
-    from stages.engine.convert.hf import TABLE
+    from stages.engine.hf_weights import TABLE
 
     path = Path(checkpoint)
     meta = checkpoint_tensors(path)
@@ -231,7 +231,9 @@ def weight_stream(checkpoint: Path, model: ModelConfig) -> tuple[Iterator[tuple[
     if not rec.get("base"):
         raise ExportError(f"{checkpoint}: a LoRA checkpoint without a recorded base")
     base, padded = _base_stream(str(rec["base"]), model)
-    deltas = lora.full_deltas(Path(checkpoint), rec)
+    from stages.engine.checkpoint import load_tensors
+
+    deltas = lora.full_deltas(load_tensors(Path(checkpoint)), rec)
 
     def merged() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in base:
@@ -246,7 +248,7 @@ def weight_stream(checkpoint: Path, model: ModelConfig) -> tuple[Iterator[tuple[
 def _base_stream(base: str, model: ModelConfig) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
     from pipeline.hf_arch import is_hf_dir, parse_ref
     from stages.engine import checkpoint as ck
-    from stages.engine.convert.hf import iter_hf_tensors
+    from stages.engine.hf_weights import iter_hf_tensors
 
     path = parse_ref(base) or Path(base)
     if is_hf_dir(path):
@@ -312,8 +314,8 @@ def export(
     (plus the two check processes)."""
     from pipeline.hf_arch import to_hf_config
     from stages.engine.checkpoint import _require_committed
-    from stages.engine.convert.hf import to_hf_tensors
     from stages.engine.data import load_tokenizer
+    from stages.engine.hf_weights import to_hf_tensors
 
     out = Path(out)
     if out.exists():

@@ -6,7 +6,7 @@ config: r, lora_alpha, lora_dropout, target_modules by Hugging Face module name)
 (``base_model.model.model.layers.<L>.self_attn.q_proj.lora_A.weight``, ...), the tokenizer files and
 ``export_manifest.json``. megatron's fused linears map onto Hugging Face's separate projections exactly:
 the fused qkv's A is shared by q_proj, k_proj and v_proj and its B is cut into their rows (the same
-de-interleaving as the weight, stages/engine/convert/hf.py), likewise gate_proj / up_proj for a swiglu
+de-interleaving as the weight, stages/engine/hf_weights.py), likewise gate_proj / up_proj for a swiglu
 fc1; o_proj and down_proj take A and B as they are. The scale alpha / r is the same.
 
 The base the adapters belong to is the one recorded in the checkpoint: a Hugging Face directory is
@@ -39,7 +39,7 @@ def peft_tensors(
     adapters: dict[str, torch.Tensor], model: ModelConfig, padded_vocab: int
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(PEFT state dict, target module names) from full adapter tensors by global megatron name."""
-    from stages.engine.convert.hf import Shapes, _export, match
+    from stages.engine.hf_weights import Shapes, _export, match
 
     s = Shapes.of(model, padded_vocab)
     out: dict[str, torch.Tensor] = {}
@@ -92,7 +92,7 @@ def export_peft(
     """Write and verify the PEFT adapter directory ``out`` of LoRA checkpoint ``checkpoint``; the manifest."""
     from pipeline.hf_arch import is_hf_dir, to_hf_config
     from stages.engine import distributed as D
-    from stages.engine.checkpoint import load_weights
+    from stages.engine.checkpoint import load_tensors, load_weights
     from stages.engine.data import load_tokenizer
     from stages.engine.lora import adapter_tensors, checkpoint_record
     from stages.engine.model import build_model, unwrap
@@ -124,7 +124,7 @@ def export_peft(
         try:
             chunks = build_model(model, par, vocab)
             gpt = unwrap(chunks[0])
-            tensors, modules = peft_tensors(adapter_tensors(checkpoint), model, gpt.vocab_size)
+            tensors, modules = peft_tensors(adapter_tensors(load_tensors(checkpoint)), model, gpt.vocab_size)
             load_weights(checkpoint, chunks)  # the base with the adapters merged: what PEFT must reproduce
             tokens = _batch(vocab, model.seq_length)
             gpt.eval()
