@@ -49,8 +49,12 @@ def chat_template(d: Path) -> str | None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_sft_dpo_from_hf_then_export_generates_like_eval(tmp_path: Path) -> None:
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_sft_dpo_from_hf_then_export_generates_like_eval(tmp_path: Path, peft: str) -> None:
+    """Full fine-tuning, and LoRA on both stages (DPO's adapters on SFT's: the merged export streams the
+    Hugging Face base plus both stages' adapters)."""
     base = make("llama3", tmp_path / "base-llama", tokenizer="llama3")
+    lora = [f"{s}.peft.method=lora" for s in ("sft", "rlhf")] if peft == "lora" else []
     r = run(
         "-m",
         "pipeline",
@@ -62,6 +66,7 @@ def test_sft_dpo_from_hf_then_export_generates_like_eval(tmp_path: Path) -> None
         f"eval.models=[hf:{base},sft,rlhf]",
         "eval.max_new_tokens=6",
         "sft.lr=3e-3",
+        *lora,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_dir = Path(
