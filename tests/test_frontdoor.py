@@ -283,6 +283,8 @@ def test_run_identity_classifies_every_schema_field() -> None:
                 included |= {f"{k}.{x}" for x in v}
             elif k == "parallel":
                 included |= {f"{stage}.parallel.{x}" for x in v}
+            elif isinstance(v, dict):  # a nested stage section hashed whole (peft)
+                included |= {f"{stage}.{k}.{x}" for x in v}
             else:
                 included.add(f"{stage}.{k}")
     unclassified, both = [], []

@@ -905,7 +905,10 @@ def _model_part(
     chunks = unwrap_model(list(model_chunks))
     prefix = f"{name}." if name else ""
     sharded: dict[str, Any] = {
-        prefix + _model_key(i, len(chunks)): c.sharded_state_dict(prefix=prefix) for i, c in enumerate(chunks)
+        prefix + _model_key(i, len(chunks)): c.sharded_state_dict(prefix=prefix)
+        if prefix
+        else c.sharded_state_dict()
+        for i, c in enumerate(chunks)
     }
     if has_lora(chunks):
         keep = (lambda k: is_adapter_key(k)) if part == "state" else (lambda k: not is_adapter_key(k))
