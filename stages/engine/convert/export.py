@@ -352,8 +352,6 @@ def export(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    diff = float((ours - theirs).abs().max())
-    rel = diff / float(ours.abs().max())
     manifest = {
         "format": 1,
         "checkpoint": str(checkpoint),
@@ -367,21 +365,38 @@ def export(
         "total_size": shards["total_size"],
         "tensors": shards["tensors"],
         "tokenizer": tok["copied"] or ["tokenizer.json", "tokenizer_config.json (written)"],
-        "check": {
-            "batch": list(tokens.shape),
-            "max_abs_diff": diff,
-            "max_rel_diff": rel,
-            "tolerance": tolerance,
-            "passed": rel <= tolerance,
-        },
-        "seconds": round(time.monotonic() - start, 2),
     }
+    return commit_checked(tmp, out, manifest, ours, theirs, tolerance, start, "transformers")
+
+
+def commit_checked(
+    tmp: Path,
+    out: Path,
+    manifest: dict[str, Any],
+    ours: torch.Tensor,
+    theirs: torch.Tensor,
+    tolerance: float,
+    start: float,
+    who: str,
+) -> dict[str, Any]:
+    """Add the logit check to ``manifest``, write it into ``tmp`` and rename ``tmp`` to ``out`` when the check
+    passed; otherwise remove ``tmp`` and raise: an export that failed its check is never left behind."""
+    diff = float((ours - theirs).abs().max())
+    rel = diff / float(ours.abs().max())
+    manifest["check"] = {
+        "batch": list(ours.shape[:2]),
+        "max_abs_diff": diff,
+        "max_rel_diff": rel,
+        "tolerance": tolerance,
+        "passed": rel <= tolerance,
+    }
+    manifest["seconds"] = round(time.monotonic() - start, 2)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     if rel > tolerance:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ExportError(
-            f"{checkpoint}: transformers' logits differ from megatron's by {rel:.3g} (relative) > {tolerance}; "
-            "nothing written"
+            f"{manifest['checkpoint']}: {who}'s logits differ from megatron's by {rel:.3g} (relative) > "
+            f"{tolerance}; nothing written"
         )
     tmp.rename(out)
     return manifest

@@ -29,7 +29,14 @@ from typing import Any
 import torch
 
 from pipeline.config import ModelConfig, ParallelConfig
-from stages.engine.convert.export import MANIFEST, TOLERANCE, ExportError, _batch, _tokenizer_files, export
+from stages.engine.convert.export import (
+    TOLERANCE,
+    ExportError,
+    _batch,
+    _tokenizer_files,
+    commit_checked,
+    export,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -143,8 +150,6 @@ def export_peft(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    diff = float((ours - theirs).abs().max())
-    rel = diff / float(ours.abs().max())
     manifest = {
         "format": 1,
         "kind": "peft",
@@ -155,24 +160,8 @@ def export_peft(
         "target_modules": modules,
         "tensors": len(tensors),
         "tokenizer": tok["copied"] or ["tokenizer.json", "tokenizer_config.json (written)"],
-        "check": {
-            "batch": list(tokens.shape),
-            "max_abs_diff": diff,
-            "max_rel_diff": rel,
-            "tolerance": tolerance,
-            "passed": rel <= tolerance,
-        },
-        "seconds": round(time.monotonic() - start, 2),
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    if rel > tolerance:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(
-            f"{checkpoint}: peft's logits differ from megatron's by {rel:.3g} (relative) > {tolerance}; "
-            "nothing written"
-        )
-    tmp.rename(out)
-    return manifest
+    return commit_checked(tmp, out, manifest, ours, theirs, tolerance, start, "peft")
 
 
 def peft_logits(base_dir: Path, adapter_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
