@@ -1,1 +1,2 @@
-"""Model formats in and out of the engine: Hugging Face (architecture: pipeline.hf_arch; weights: hf)."""
+"""Model formats out of the engine: Hugging Face export (architecture: pipeline.hf_arch; weight table:
+stages.engine.hf_weights)."""
