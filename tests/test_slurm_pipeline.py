@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from slurm_cluster import REPO, wait_for
+from slurm_cluster import REPO, cluster_mod, wait_for
 from slurm_helpers import (
     TINY,
     TWO_NODES,
@@ -171,10 +171,19 @@ def test_crashed_stage_is_requeued_once_with_max_requeues_1(cluster, tmp_path):
     step that failed (each fault fires once per stage directory) and completes. pretrain is added by a second
     command while data_prep (from the first) is still queued or running: it must wait for that job."""
     args = [*TINY, f"run.root={tmp_path}", "cluster.max_requeues=1"]
-    first = pipeline(cluster, *args, "run.stages=[data_prep]")
-    assert first.returncode == 0, fail_text(first)
-    prep = submitted(first.stdout)["data_prep"]
-    r = pipeline(cluster, *args, "run.stages=[data_prep,pretrain]", env={"PIPELINE_FAULT": "raise@step:1"})
+    # The partition is down while both commands submit: data_prep stays queued (it would otherwise finish in
+    # about a second, before the second command looks), so the second command must find it queued.
+    partition = f"PartitionName={cluster_mod.PARTITION}"
+    cluster.run("scontrol", "update", partition, "State=DOWN")
+    try:
+        first = pipeline(cluster, *args, "run.stages=[data_prep]")
+        assert first.returncode == 0, fail_text(first)
+        prep = submitted(first.stdout)["data_prep"]
+        r = pipeline(
+            cluster, *args, "run.stages=[data_prep,pretrain]", env={"PIPELINE_FAULT": "raise@step:1"}
+        )
+    finally:
+        cluster.run("scontrol", "update", partition, "State=UP")
     assert r.returncode == 0, fail_text(r)
     assert f"[data_prep] already queued or running (job {prep})" in r.stdout, r.stdout
     [run_dir] = run_dirs(r.stdout)
