@@ -33,6 +33,7 @@ from stages.engine.convert.export import (
     TOLERANCE,
     ExportError,
     _batch,
+    _run,
     _tokenizer_files,
     commit_checked,
     export,
@@ -166,8 +167,6 @@ def export_peft(
 
 def peft_logits(base_dir: Path, adapter_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of transformers' base model with ``peft``'s adapters loaded (fp32, CPU, a fresh process)."""
-    import subprocess
-    import sys
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
@@ -182,11 +181,6 @@ def peft_logits(base_dir: Path, adapter_dir: Path, tokens: torch.Tensor) -> torc
             "with torch.no_grad():\n"
             "    torch.save(m(torch.load(sys.argv[3])).logits.float(), sys.argv[4])\n"
         )
-        done = subprocess.run(
-            [sys.executable, "-c", code, str(base_dir), str(adapter_dir), str(src), str(dst)],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            raise ExportError(f"{adapter_dir}: peft cannot load the adapters: {done.stderr[-2000:]}")
+        args = [code, str(base_dir), str(adapter_dir), str(src), str(dst)]
+        _run(args, f"{adapter_dir}: peft cannot load the adapters")
         return torch.load(dst)
