@@ -169,7 +169,7 @@ def _logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class GRPOStep:
-    """GRPO's loss on a rollout micro batch: ``tokens``/``labels``/``loss_mask`` [b, s], ``advantages`` [b],
+    """GRPO's loss on a rollout micro batch: ``tokens``/``labels``/``loss_mask`` [b, s], ``advantages`` [b] (per token [b, s]: PPO),
     ``ref_logp`` [b, s] and, after the first update of a rollout, ``old_logp`` [b, s] (module docstring)."""
 
     name = "grpo"
@@ -194,9 +194,10 @@ class GRPOStep:
         """The loss sum over response tokens, their count and the reported metrics, from log-probs [b, s]."""
         mask = batch["loss_mask"].float()
         old = batch["old_logp"] if "old_logp" in batch else logp.detach()
-        pg, clipped = clipped_policy_loss(logp, old, batch["advantages"].float()[:, None], self.clip_eps)
+        adv = batch["advantages"].float()
+        pg, clipped = clipped_policy_loss(logp, old, adv[:, None] if adv.dim() == 1 else adv, self.clip_eps)
         kl = kl_k3(logp, batch["ref_logp"])
-        loss = ((pg + self.beta * kl) * mask).sum()
+        loss = ((pg + self.beta * kl if self.beta else pg) * mask).sum()
         n = mask.sum()
         return (
             loss,
@@ -219,23 +220,6 @@ class PPOStep(GRPOStep):
 
     def __init__(self, clip_eps: float = 0.2, temperature: float = 1.0) -> None:
         super().__init__(beta=0.0, clip_eps=clip_eps, temperature=temperature)
-
-    def loss_from_logps(self, batch: Batch, logp: torch.Tensor) -> LossOut:
-        mask = batch["loss_mask"].float()
-        pg, clipped = clipped_policy_loss(logp, batch["old_logp"], batch["advantages"].float(), self.clip_eps)
-        kl = kl_k3(logp, batch["ref_logp"]).detach()
-        loss = (pg * mask).sum()
-        n = mask.sum()
-        return (
-            loss,
-            n.to(torch.int),
-            {
-                "loss": _report(loss, n),
-                "kl": _report((kl * mask).sum(), n),
-                "entropy": _report((-logp * mask).sum(), n),
-                "clip_frac": _report((clipped * mask).sum(), n),
-            },
-        )
 
 
 class ValueStep:
