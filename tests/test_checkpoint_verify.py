@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,6 +136,10 @@ def test_resume_verifies_while_loading_and_falls_back(tmp_path: Path) -> None:
         assert (corrupt in r["hashed"]) == (rank == 1), r["hashed"]  # only rank 1 hashes its own file
     log0 = (tmp_path / "work" / "rank0.log").read_text()
     assert f"skipping checkpoint {Path(corrupt).parent}: {corrupt}: {ck.HASH}" in log0
+    for r in out["ranks"]:  # every checkpoint bad
+        assert r["restore_1"] is None and r["after_1"] == [-1.0], r  # the only one: verified first, untouched
+        assert r["restore_2"].endswith("run the stage again to start from scratch"), r
+        assert "no checkpoint verifies (iter_0000002, iter_0000001 failed while loading)" in r["restore_2"], r
 
 
 def _load_worker(spec: dict) -> dict:
@@ -189,10 +194,36 @@ def _load_worker(spec: dict) -> dict:
         "resumed": {k: state[k] for k in ("iteration", "it")} if state else None,
         "after_resume": sorted(set(chunk.w.data.tolist())),
         "hashed": [h for h in hashed if Path(h).parent == newest],
+        **_all_bad(chunk, root.parent, rank),
     }
     ranks = D.all_gather_object(mine)
     D.shutdown()
     return {"corrupt": str(corrupt), "ranks": ranks}
+
+
+def _all_bad(chunk: Any, tmp: Path, rank: int) -> dict:
+    """Every checkpoint corrupt: one alone is verified before it loads (a clean fresh start); after a failed
+    load of a newer one, the resume stops with an error naming them."""
+    from stages.engine import distributed as D
+    from stages.engine.trainer import Checkpointer
+
+    out: dict[str, Any] = {}
+    for n in (1, 2):
+        root = tmp / f"all-bad-{n}"
+        for it in range(1, n + 1):
+            chunk.w.data.fill_(float(it))
+            path = ck.save(root, it, model_chunks=[chunk], optimizer=None, scheduler=None, state={})
+            if rank == 1:
+                bad = max(path.glob("__1_*.distcp"), key=lambda p: p.stat().st_size)
+                flip_byte(bad, bad.stat().st_size // 2)
+        D.barrier()
+        chunk.w.data.fill_(-1.0)
+        try:
+            out[f"restore_{n}"] = Checkpointer(root, 1000).restore([chunk], None, None)
+        except ck.CheckpointError as e:
+            out[f"restore_{n}"] = str(e)
+        out[f"after_{n}"] = sorted(set(chunk.w.data.tolist()))
+    return out
 
 
 def _worker(root: str) -> None:

@@ -910,17 +910,41 @@ def load_latest(
     contents verified in the process's mode (``set_verify_mode``, ``full`` unless changed) while they load.
     A checkpoint found bad is skipped (a warning names the file and the fault; nothing of it is kept) and
     the next older one is tried, as ``find_latest`` does. ``before_load`` runs before each try.
+
+    A load that failed has already prepared the optimizer for that checkpoint's state (megatron fills it
+    before the first read), so a fresh start after it would not be a clean one. Hence the oldest candidate,
+    when nothing failed before it, is verified before it loads (None when it is bad: a clean fresh start),
+    and when every candidate failed after such a load this raises ``CheckpointError`` naming them.
     """
-    below = None
+    below, failed = None, []
     while (path := find_latest(ckpt_root, mode="sizes", below=below)) is not None:
+        iteration = int(_ITER_DIR.match(path.name).group(1))  # type: ignore[union-attr]
+        oldest = find_latest(ckpt_root, mode="sizes", below=iteration) is None
         if before_load is not None:
             before_load()
+        if oldest and not failed:
+            if problems := verify_collective(path, _VERIFY_MODE):
+                _warn_skipped(path, problems)
+                return None
+            return path, load(path, verify=None, **kwargs)
         try:
             return path, load(path, verify=_VERIFY_MODE, **kwargs)
         except CorruptCheckpoint as e:
-            log.warning("skipping checkpoint %s: %s", path, "; ".join(e.problems))
-            below = int(_ITER_DIR.match(path.name).group(1))  # type: ignore[union-attr]
+            _warn_skipped(path, e.problems)
+            failed.append(path.name)
+            below = iteration
+    if failed:
+        raise CheckpointError(
+            f"{ckpt_root}: no checkpoint verifies ({', '.join(failed)} failed while loading); this process's "
+            "optimizer was already prepared by a failed load, so it does not start fresh: move the bad "
+            "checkpoints aside (or delete them) and run the stage again to start from scratch"
+        )
     return None
+
+
+def _warn_skipped(path: Path, problems: list[str]) -> None:
+    if _rank() == 0:
+        log.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
 
 
 def load_weights(path: Path, model_chunks: list, *, fresh: tuple[str, ...] = ()) -> None:
