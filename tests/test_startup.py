@@ -20,6 +20,7 @@ out = {
     "megatron": "megatron.core" in sys.modules,
     "dynamo": "torch._dynamo" in sys.modules,
     "wandb_during": "wandb" in sys.modules,
+    "tensorboard_during": "torch.utils.tensorboard" in sys.modules,
     "compile_restored": torch.compile is real,
     "plain_function": not hasattr(g.geglu, "__wrapped__"),
 }
@@ -28,6 +29,7 @@ try:
     out["wandb_after"] = True
 except ImportError as e:
     out["wandb_after"] = "hidden" not in str(e) and "None in sys.modules" not in str(e)
+from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (the same)
 print(json.dumps(out))
 """
 
@@ -45,7 +47,7 @@ def test_import_megatron_skips_dynamo_and_hidden_packages() -> None:
     out = _probe("1")
     assert out["megatron"] and out["compile_restored"] and out["plain_function"]
     assert not out["dynamo"], "torch.compile under TORCHDYNAMO_DISABLE=1 imported torch._dynamo"
-    assert not out["wandb_during"]
+    assert not out["wandb_during"] and not out["tensorboard_during"]
     assert out["wandb_after"], "wandb stays importable after megatron's import"
 
 

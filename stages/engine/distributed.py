@@ -58,11 +58,12 @@ def env_from_os(environ: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv(rank, world, _env_int(environ, "LOCAL_RANK", 0), addr, port)
 
 
-HIDDEN_AT_MEGATRON_IMPORT = ("wandb",)
+HIDDEN_AT_MEGATRON_IMPORT = ("wandb", "torch.utils.tensorboard")
 """Optional packages megatron.core imports at its own import and the engine never uses through it: hidden
 (``import`` raises ImportError) while megatron.core imports, so it takes them as absent. ``wandb`` is ~1 s of
-a job's start-up (megatron's dynamic inference context imports it for its metrics writer); our own
-``monitor.wandb`` imports it later, unaffected."""
+a job's start-up (megatron's dynamic inference context and timers import it for their metrics writers),
+tensorboard ~0.5 s (megatron's Timers.write); our own ``monitor.wandb``/``monitor.tensorboard`` import them
+later, unaffected."""
 
 
 def import_megatron() -> None:
