@@ -572,9 +572,9 @@ class TrainStage:
     checkpoint_verify: str = "full"
     """How a resume checks the newest checkpoint, each rank its own files in parallel: full (every byte against the marker's whole-file checksum), sampled (sizes plus 8 sampled 4 MiB blocks per file), sizes."""
     beta: float = num(0.1, gt=0)
-    """Strength of the KL anchor to the frozen reference model (rlhf only): DPO's beta; GRPO's KL penalty coefficient (k3 estimator)."""
+    """Strength of the KL anchor to the frozen reference model (rlhf only): DPO's beta; GRPO's KL penalty coefficient (k3 estimator); PPO's per-token KL penalty in the rewards (k1 estimator)."""
     algorithm: str = "dpo"
-    """rlhf algorithm: dpo (offline, preference pairs) or grpo (online: sampling, rewards, clipped policy loss)."""
+    """rlhf algorithm: dpo (offline, preference pairs), grpo (online: sampling, rewards, group-normalised advantages, clipped policy loss) or ppo (online, with a trained critic: GAE advantages, clipped policy and value losses)."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """TensorBoard / W&B sinks and alarm thresholds (no effect on results)."""
     peft: PeftConfig = field(default_factory=PeftConfig)
@@ -594,13 +594,13 @@ class TrainStage:
         _choice("algorithm", self.algorithm, RLHF_ALGORITHMS)
 
 
-RLHF_ALGORITHMS = ("dpo", "grpo")
+RLHF_ALGORITHMS = ("dpo", "grpo", "ppo")
 REWARDS = ("verifier", "model", "both")
 
 
 @dataclass
 class RLHFStage(TrainStage):
-    """The rlhf stage: the training-stage keys plus the online-RL ones (read when algorithm=grpo).
+    """The rlhf stage: the training-stage keys plus the online-RL ones (read when algorithm=grpo or ppo).
 
     GRPO step: global_batch_size sampled responses = global_batch_size / group_size prompts x group_size
     samples; iters, warmup_iters and the LR schedule count these rollout steps.
@@ -609,7 +609,7 @@ class RLHFStage(TrainStage):
     reward: str = "verifier"
     """Reward source of online RL: verifier (the task checker, stages/tasks.py: 1 for the right answer, else 0); model (the reward_model stage's final checkpoint, frozen: its scalar score); both (their sum). model and both make rlhf read the reward_model stage: list it in run.stages or complete it first."""
     group_size: int = num(4, ge=2)
-    """GRPO: samples per prompt (G); advantages are rewards normalised within each prompt's group. parallel.global_batch_size must be a multiple."""
+    """Online RL: samples per prompt (G); parallel.global_batch_size must be a multiple. GRPO: advantages are rewards normalised within each prompt's group; PPO: the rollout's shape only (its advantages come from the critic)."""
     temperature: float = num(1.0, gt=0)
     """Sampling temperature of the rollouts (the policy's log-probs in the loss use the same temperature)."""
     top_p: float = num(1.0, gt=0, le=1)
@@ -619,7 +619,15 @@ class RLHFStage(TrainStage):
     clip_eps: float = num(0.2, gt=0, lt=1)
     """PPO-style clip of the probability ratio to [1 - clip_eps, 1 + clip_eps]."""
     ppo_epochs: int = num(1, ge=1)
-    """Optimizer updates over each rollout batch (the first is on-policy; later ones use the clipped ratio)."""
+    """Optimizer updates over each rollout batch (the first is on-policy; later ones use the clipped ratio); PPO: of the critic too."""
+    gamma: float = num(1.0, ge=0, le=1)
+    """PPO: discount of the per-token rewards in GAE (1: none; the episode is one response)."""
+    lam: float = num(0.95, ge=0, le=1)
+    """PPO: GAE's lambda (0: one-step TD advantages, 1: Monte Carlo returns minus the value)."""
+    value_clip: float = num(0.2, gt=0)
+    """PPO: the critic's new values are clipped to old value +- value_clip in the value loss (the larger of the clipped and unclipped squared errors counts)."""
+    critic_lr: float | None = num(None, integer=False, gt=0)
+    """PPO: peak learning rate of the critic (its own optimizer, same warmup and cosine schedule; min_lr capped at it); None: rlhf.lr."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,4 +1,4 @@
-"""RLHF of the SFT model: offline DPO, or online GRPO with generation in the loop (``rlhf.algorithm``).
+"""RLHF of the SFT model: offline DPO, or online GRPO or PPO with generation in the loop (``rlhf.algorithm``).
 
 Both run on the engine's one loop through a training unit (stages.engine.units):
 
@@ -9,6 +9,8 @@ Both run on the engine's one loop through a training unit (stages.engine.units):
 - ``grpo``: per step, prompts from the task's prompt stream, ``group_size`` samples each from the policy
   (stages.engine.generate), rewards from ``rlhf.reward`` (stages.engine.rewards), group-normalised
   advantages, a clipped policy loss with a KL penalty to the frozen reference (stages.engine.rl).
+- ``ppo``: the same rollouts and rewards, plus a trained critic (the SFT model with a value head, its own
+  optimizer and checkpoint part): GAE advantages, clipped policy and value losses (stages.engine.rl).
 """
 
 from __future__ import annotations

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_data_prep import prep_config, run_prep
 
 from pipeline.config import ConfigError, DataConfig, DataSource, PipelineConfig
-from stages import data_prep
-from stages.context import StageContext
 from stages.engine import data_sources as ds
 from stages.engine.data import load_tokenizer, read_manifest
 
@@ -59,7 +58,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, li
 
 
 def sources_cfg(root: Path, **data: object) -> PipelineConfig:
-    cfg = PipelineConfig()
     srcs = [
         DataSource(path=str(root / "a.txt"), name="text"),
         DataSource(path=str(root / "b.jsonl"), name="jsonl"),
@@ -80,14 +78,7 @@ def sources_cfg(root: Path, **data: object) -> PipelineConfig:
         num_eval_examples=10,
         max_operand=99,
     )
-    fields.update(data)
-    cfg.data = DataConfig(**fields)  # type: ignore[arg-type]
-    cfg.data_prep.threads = 1
-    return cfg
-
-
-def run_prep(cfg: PipelineConfig, out: Path) -> dict:
-    return data_prep.main(cfg, StageContext(run_dir=out.parent, stage="data_prep", out_dir=out))
+    return prep_config(fields, data)
 
 
 def read_docs(prefix: Path, tok) -> list[str]:  # noqa: ANN001

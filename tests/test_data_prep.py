@@ -47,8 +47,7 @@ def write_corpus(root: Path) -> None:
 
 
 def tiny_config(corpus: Path, **data: object) -> PipelineConfig:
-    cfg = PipelineConfig()
-    fields = dict(
+    fields: dict[str, object] = dict(
         corpus="files",
         text_paths=[str(corpus / "*.txt"), str(corpus / "c.md"), str(corpus / "d.jsonl")],
         vocab_size=320,
@@ -60,8 +59,13 @@ def tiny_config(corpus: Path, **data: object) -> PipelineConfig:
         task="arithmetic",
         task_mix_fraction=0.1,
     )
-    fields.update(data)
-    cfg.data = DataConfig(**fields)  # type: ignore[arg-type]
+    return prep_config(fields, data)
+
+
+def prep_config(fields: dict[str, object], overrides: dict[str, object]) -> PipelineConfig:
+    """A default config whose ``data`` section is ``fields`` updated by ``overrides``, data_prep on 1 thread."""
+    cfg = PipelineConfig()
+    cfg.data = DataConfig(**{**fields, **overrides})  # type: ignore[arg-type]
     cfg.data_prep.threads = 1
     return cfg
 

@@ -154,3 +154,82 @@ def test_gae_by_hand() -> None:
     # row 2 (gamma = lam = 0.5): delta1 = 2 - 1 = 1, delta0 = 0.5 * 1 - 1 = -0.5 -> A = [-0.5 + 0.25, 1, 0]
     torch.testing.assert_close(adv2[1], torch.tensor([-0.25, 1.0, 0.0]))
     torch.testing.assert_close(ret2[1], torch.tensor([0.75, 2.0, 0.0]))
+
+
+# ---------------------------------------------------------------------------- PPO
+
+
+def test_clipped_value_loss_and_value_step_by_hand() -> None:
+    from stages.engine.rl import ValueStep, clipped_value_loss
+
+    values = torch.tensor([[1.0, 0.0, 2.0, 0.5]])
+    old = torch.tensor([[0.5, 0.5, 1.0, 0.4]])
+    returns = torch.tensor([[0.0, 1.0, 3.0, 0.5]])
+    loss, clipped = clipped_value_loss(values, old, returns, 0.2)
+    # V=1, clip -> 0.7, R=0: max(1, 0.49) = 1 | V=0, clip -> 0.3, R=1: max(1, 0.49) = 1
+    # V=2, clip -> 1.2, R=3: max(1, 3.24) = 3.24 (clipped) | V=0.5 (within the clip), R=0.5: 0
+    torch.testing.assert_close(loss, 0.5 * torch.tensor([[1.0, 1.0, 3.24, 0.0]]))
+    assert clipped.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+    batch = {
+        "loss_mask": torch.tensor([[0.0, 1.0, 1.0, 1.0]]),
+        "old_values": old,
+        "returns": returns,
+    }
+    total, n, rep = ValueStep(0.2).loss(batch, values)
+    assert int(n) == 3 and float(total) == pytest.approx(0.5 * (1.0 + 3.24))
+    assert rep["value_loss"].tolist() == pytest.approx([0.5 * 4.24, 3.0])
+    assert rep["value_clip_frac"].tolist() == pytest.approx([1.0, 3.0])
+    _, _, scored = ValueStep(0.2).loss({"loss_mask": batch["loss_mask"]}, values)  # forward-only scoring
+    torch.testing.assert_close(scored["values"], values)
+
+
+def test_token_rewards_and_gae_on_rollout_rows_by_hand() -> None:
+    from stages.engine.rl import gae, masked_whiten, token_rewards
+
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]])  # responses after 1 and 2 prompt tokens
+    logp = torch.tensor([[-9.0, -1.0, -2.0, -9.0], [-9.0, -9.0, -0.5, -9.0]])
+    ref = torch.tensor([[-5.0, -1.5, -1.0, -5.0], [-5.0, -5.0, -1.0, -5.0]])
+    r = token_rewards(torch.tensor([1.0, 0.0]), mask, logp, ref, beta=0.1)
+    # -0.1 * (logp - ref) on response tokens, the score on each row's last one
+    torch.testing.assert_close(r, torch.tensor([[0.0, -0.05, 0.1 + 1.0, 0.0], [0.0, 0.0, -0.05, 0.0]]))
+    values = torch.tensor([[7.0, 0.2, 0.4, 7.0], [7.0, 7.0, 0.3, 7.0]])  # outside the mask: ignored
+    adv, ret = gae(r, values, mask, gamma=1.0, lam=0.9)
+    # row 1: delta2 = 1.1 - 0.4 = 0.7, delta1 = -0.05 + 0.4 - 0.2 = 0.15 -> A = [0, 0.15 + 0.9 * 0.7, 0.7, 0]
+    torch.testing.assert_close(adv[0], torch.tensor([0.0, 0.15 + 0.63, 0.7, 0.0]))
+    torch.testing.assert_close(ret[0], torch.tensor([0.0, 0.78 + 0.2, 1.1, 0.0]))
+    torch.testing.assert_close(adv[1], torch.tensor([0.0, 0.0, -0.35, 0.0]))
+    # the same rows shifted to start at position 0 give the same advantages (the run need not start at 0)
+    shifted, _ = gae(r[:1, 1:], values[:1, 1:], mask[:1, 1:], gamma=1.0, lam=0.9)
+    torch.testing.assert_close(shifted[0], adv[0, 1:])
+    w = masked_whiten(adv, mask, mean=0.5, std=2.0)
+    torch.testing.assert_close(w[1], torch.tensor([0.0, 0.0, (-0.35 - 0.5) / (2.0 + 1e-8), 0.0]))
+
+
+def test_ppo_step_loss_by_hand() -> None:
+    from stages.engine.rl import PPOStep
+
+    logp = torch.log(torch.tensor([[0.9, 0.5, 0.25]]))
+    batch = {
+        "loss_mask": torch.tensor([[0.0, 1.0, 1.0]]),
+        "advantages": torch.tensor([[5.0, 1.0, -1.0]]),  # per token
+        "old_logp": torch.log(torch.tensor([[0.9, 0.25, 0.25]])),
+        "ref_logp": torch.log(torch.tensor([[0.9, 0.25, 0.25]])),
+    }
+    loss, n, rep = PPOStep(clip_eps=0.2).loss_from_logps(batch, logp)
+    # ratios 2 (A=+1 -> 1.2, clipped) and 1 (A=-1 -> -1): loss = -1.2 + 1; no KL term (it is in the rewards)
+    assert int(n) == 2 and float(loss) == pytest.approx(-0.2, abs=1e-6)
+    assert rep["clip_frac"].tolist() == pytest.approx([1.0, 2.0])
+    assert float(rep["kl"][0]) == pytest.approx(0.5 + math.log(2) - 1, abs=1e-6)
+
+
+def test_ppo_config_and_a_wrong_algorithm_lists_the_choices() -> None:
+    from pipeline.config import ConfigError, load_config
+
+    cfg = load_config(["rlhf=ppo"]).rlhf
+    assert (cfg.algorithm, cfg.gamma, cfg.lam, cfg.value_clip) == ("ppo", 1.0, 0.95, 0.2)
+    with pytest.raises(ConfigError, match=r"rlhf.algorithm='ppx': must be one of \['dpo', 'grpo', 'ppo'\]"):
+        load_config(["rlhf.algorithm=ppx"])
+    with pytest.raises(ConfigError, match="rlhf.value_clip=0"):
+        load_config(["rlhf=ppo", "rlhf.value_clip=0"])
+    with pytest.raises(ConfigError, match="rlhf.lam=1.5"):
+        load_config(["rlhf=ppo", "rlhf.lam=1.5"])

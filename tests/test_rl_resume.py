@@ -1,8 +1,9 @@
-"""GRPO through the command line: a rollout stage killed mid-run from outside resumes bit for bit.
+"""GRPO and PPO through the command line: a rollout stage killed mid-run resumes bit for bit.
 
 The SFT model comes from one short data_prep -> pretrain -> sft run (counting up to 9, so sampled answers
 are sometimes right and the rewards vary); each scenario copies it and runs only the rlhf stage with
-``rlhf=grpo`` (two updates per rollout, so the old log-probs path runs too).
+``rlhf=grpo`` (two updates per rollout, so the old log-probs path runs too), or ``rlhf.algorithm=ppo``
+(the policy and a trained critic, each with its own checkpoint part).
 """
 
 from __future__ import annotations
@@ -171,3 +172,67 @@ def test_grpo_killed_mid_run_resumes_bit_identical(
     sft = load_tensors(run_dir(root) / "stages" / "sft" / "checkpoints" / "iter_0000060")
     moved = [k for k in sft if k in got and k.startswith("decoder") and not torch.equal(sft[k], got[k])]
     assert moved, "GRPO left every weight unchanged"
+
+
+# ---------------------------------------------------------------------------- PPO: the policy and a critic
+
+PPO = ("run.stages=[rlhf]", "rlhf.algorithm=ppo", "rlhf.critic_lr=1e-3")
+
+
+def seeded_ppo(sft_root: Path, dest: Path) -> Path:
+    """``seeded``, with the run directory renamed to the PPO config's (the run hash covers rlhf's keys; the
+    completed stages' own hashes are unchanged)."""
+    from pipeline.config import load_config, run_dir_for
+
+    root = seeded(sft_root, dest)
+    want = run_dir_for(load_config([*BASE, f"run.root={root}", *PPO]))
+    run_dir(root).rename(want)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ppo_baseline(sft_root: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict], Path]:
+    root = seeded_ppo(sft_root, tmp_path_factory.mktemp("ppo"))
+    r = run(root, *PPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return final_tensors(root), metrics(root), root
+
+
+def test_ppo_trains_the_policy_and_the_critic_and_checkpoints_both(
+    ppo_baseline: tuple[dict, list[dict], Path],
+) -> None:
+    from stages.engine.checkpoint import load_tensors
+
+    final, lines, root = ppo_baseline
+    train = [m for m in lines if m["kind"] == "train"]
+    assert [m["step"] for m in train] == [1, 2, 3, 4, 5, 6]
+    for key in ("reward_mean", "kl", "clip_frac", "value_loss", "value_mean", "explained_var", "return_mean"):
+        assert all(key in m and m[key] == m[key] for m in train), key  # present and not NaN
+    assert all(m["time_critic_s"] > 0 for m in train)
+    sft = load_tensors(run_dir(root) / "stages" / "sft" / "checkpoints" / "iter_0000060")
+    weights = [k for k in sft if k.startswith("decoder") and k in final]
+    assert weights and any(not torch.equal(sft[k], final[k]) for k in weights), "the policy did not move"
+    critic = {k.removeprefix("critic."): v for k, v in final.items() if k.startswith("critic.")}
+    assert any(k.startswith("reward_head") for k in critic), sorted(critic)[:5]
+    assert any(".exp_avg.critic." in k for k in final), "no Adam moments of the critic"
+    backbone = [k for k in weights if k in critic]
+    assert backbone, sorted(critic)[:5]
+    assert any(not torch.equal(sft[k], critic[k]) for k in backbone), "the critic did not move"
+    assert any(not torch.equal(critic[k], final[k]) for k in backbone)  # two models, not one
+
+
+def test_ppo_killed_mid_run_resumes_bit_identical(
+    sft_root: Path, ppo_baseline: tuple[dict, list[dict], Path], tmp_path: Path
+) -> None:
+    root = seeded_ppo(sft_root, tmp_path / "killed")
+    first = run(root, *PPO, fault="kill@step:4")  # SIGKILL before step 4's update (after the step-2 save)
+    if first.returncode != 0:  # the launcher did not requeue it itself: start it again
+        r = run(root, *PPO)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    resumes = [m for m in metrics(root) if m["kind"] == "resume"]
+    assert [m["from_step"] for m in resumes] == [2], resumes
+    final, _, _ = ppo_baseline
+    got = final_tensors(root)
+    assert got.keys() == final.keys()
+    diff = [k for k in final if not torch.equal(final[k], got[k])]
+    assert not diff, f"tensors differ after the resume: {diff[:5]}"

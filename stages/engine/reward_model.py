@@ -59,6 +59,32 @@ def scores(gpt: Any, index: torch.Tensor) -> torch.Tensor:
     return head(rows.to(head.weight.dtype)).squeeze(-1).float()
 
 
+def token_values(gpt: Any) -> torch.Tensor:
+    """The head at every position of the last forward pass: [b, s] (fp32). PPO's critic (stages.engine.rl) is
+    a model of this kind: the value of each prefix is the head on its last hidden state."""
+    hidden = gpt._reward_hidden  # [s, b, h]
+    head = getattr(gpt, HEAD)
+    return head(hidden.to(head.weight.dtype)).squeeze(-1).float().transpose(0, 1)
+
+
+def load_backbone(init_from: Path, chunks: list[Any]) -> None:
+    """Load a GPT checkpoint (or a Hugging Face directory) into a model with the head (PPO's critic from the
+    SFT model): the head, which the source lacks, keeps the values it was drawn with."""
+    from pipeline.hf_arch import is_hf_dir
+    from stages.engine import checkpoint
+
+    if is_hf_dir(init_from):
+        from pipeline.hf_arch import model_config
+        from stages.engine.hf_weights import load_hf
+
+        load_hf(chunks, init_from, model_config(init_from))
+        return
+    path = init_from if (init_from / checkpoint.MARKER).is_file() else checkpoint.find_latest(init_from)
+    if path is None:
+        raise ValueError(f"{init_from}: no complete checkpoint there")
+    checkpoint.load_weights(path, chunks, fresh=(HEAD,))
+
+
 def bradley_terry(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Summed loss, correct-pair count and summed margin from rewards [b, 2] (chosen, rejected)."""
     margin = rewards[:, 0] - rewards[:, 1]

@@ -1,4 +1,5 @@
-"""Online RL on the engine: GRPO (group-relative advantages, clipped policy loss, k3 KL to a frozen reference).
+"""Online RL on the engine: GRPO (group-relative advantages, clipped policy loss, k3 KL to a frozen reference)
+and PPO with a critic (GAE).
 
 One global step of ``rlhf.algorithm=grpo`` (``GRPOUnit.updates`` + ``GRPOStep``, run by the one loop):
 
@@ -25,6 +26,23 @@ the sampled tokens: a Monte Carlo estimate of the policy's entropy), ``clip_frac
 clipped term is active), ``reward_mean``, ``reward_std``, ``response_len`` (new tokens per response, eod
 excluded), ``gen_tokens_per_s``, and the meter's ``time_generate_s`` / ``time_score_s`` next to
 ``time_fwd_bwd_s`` / ``time_optimizer_s`` (generation vs training time).
+
+``rlhf.algorithm=ppo`` (``PPOUnit`` + ``PPOStep``) adds a trained critic ``V`` (the policy's architecture
+with the reward model's scalar head at every token, ``ValueStep``; initialised from the stage's init_from,
+the SFT model; its own optimizer and checkpoint part). Steps 1-2 as above; then:
+
+3. scoring: reference and old policy log-probs, the critic's values ``V_old`` at every position whose label
+   is a response token (the value of the prefix before that token);
+4. per-token rewards ``r_t = -beta * (old_logp_t - ref_logp_t)`` (the KL penalty, k1, in the rewards) plus
+   the sequence's reward on its last token (``token_rewards``); GAE (``gae``, ``rlhf.gamma``, ``rlhf.lam``):
+   advantages ``A`` and returns ``R = A + V_old``; ``A`` whitened over all response tokens of the rollout;
+5. ``ppo_epochs`` critic updates minimising the token mean of
+   ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)`` (c = ``rlhf.value_clip``), then
+   ``ppo_epochs`` policy updates of the clipped loss of the per-token ``A`` (no KL term: it is in ``r``).
+
+PPO's extra metrics: ``value_loss``, ``value_clip_frac``, ``value_grad_norm`` (of the critic's last update),
+``value_mean`` and ``return_mean`` (over response tokens), ``explained_var`` (1 - Var(R - V_old) / Var(R)),
+and ``time_critic_s``.
 """
 
 from __future__ import annotations
@@ -101,6 +119,37 @@ def clipped_policy_loss(
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
 
 
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, value_clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO value loss ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)`` and where the
+    clipped term is the larger (the clip is active)."""
+    clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+    plain, limited = (values - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.maximum(plain, limited), (limited > plain).float()
+
+
+def token_rewards(
+    scores: torch.Tensor, mask: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """PPO's per-token rewards [b, s]: ``-beta * (logp - ref_logp)`` on every response token (the KL penalty
+    to the reference, k1 estimator, folded into the rewards) plus the sequence's score [b] on its last one."""
+    from stages.engine.reward_model import last_index
+
+    m = mask.float()
+    r = -beta * (logp.float() - ref_logp.float()) * m
+    rows = torch.arange(r.shape[0])
+    r[rows, last_index(m)] += scores.float() * (m.sum(-1) > 0)
+    return r
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, mean: float, std: float, eps: float = 1e-8
+) -> torch.Tensor:
+    """``(x - mean) / (std + eps)`` where ``mask`` is 1, else 0 (PPO's advantages, with batch-wide moments)."""
+    return (x - mean) / (std + eps) * mask.float()
+
+
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log pi(label) per position [b, s] from (tensor-parallel) logits [b, s, vocab / tp] divided by ``temperature``."""
     from megatron.core import tensor_parallel
@@ -120,7 +169,7 @@ def _logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class GRPOStep:
-    """GRPO's loss on a rollout micro batch: ``tokens``/``labels``/``loss_mask`` [b, s], ``advantages`` [b],
+    """GRPO's loss on a rollout micro batch: ``tokens``/``labels``/``loss_mask`` [b, s], ``advantages`` [b] (per token [b, s]: PPO),
     ``ref_logp`` [b, s] and, after the first update of a rollout, ``old_logp`` [b, s] (module docstring)."""
 
     name = "grpo"
@@ -145,9 +194,10 @@ class GRPOStep:
         """The loss sum over response tokens, their count and the reported metrics, from log-probs [b, s]."""
         mask = batch["loss_mask"].float()
         old = batch["old_logp"] if "old_logp" in batch else logp.detach()
-        pg, clipped = clipped_policy_loss(logp, old, batch["advantages"].float()[:, None], self.clip_eps)
+        adv = batch["advantages"].float()
+        pg, clipped = clipped_policy_loss(logp, old, adv[:, None] if adv.dim() == 1 else adv, self.clip_eps)
         kl = kl_k3(logp, batch["ref_logp"])
-        loss = ((pg + self.beta * kl) * mask).sum()
+        loss = ((pg + self.beta * kl if self.beta else pg) * mask).sum()
         n = mask.sum()
         return (
             loss,
@@ -161,12 +211,67 @@ class GRPOStep:
         )
 
 
+class PPOStep(GRPOStep):
+    """PPO's policy loss on a rollout micro batch: the clipped loss of per-token (whitened GAE) ``advantages``
+    [b, s] against ``old_logp`` (the policy's log-probs when it sampled), no KL term (the KL penalty is in the
+    rewards, ``token_rewards``); ``kl`` reports k3 to ``ref_logp`` as GRPO's does."""
+
+    name = "ppo"
+
+    def __init__(self, clip_eps: float = 0.2, temperature: float = 1.0) -> None:
+        super().__init__(beta=0.0, clip_eps=clip_eps, temperature=temperature)
+
+
+class ValueStep:
+    """The critic: per-token values [b, s] (the reward model's head at every position,
+    stages.engine.reward_model.token_values). With ``returns`` and ``old_values`` in the batch: the clipped
+    value loss over response tokens (``clipped_value_loss``); without: forward-only scoring (``values``)."""
+
+    name = "value"
+    sequences_per_sample = 1
+    metric_names: tuple[str, ...] = ("value_loss", "value_clip_frac")
+    output_key = "values"
+
+    def __init__(self, value_clip: float = 0.2) -> None:
+        if value_clip <= 0:
+            raise ValueError(f"value_clip={value_clip}: must be > 0")
+        self.value_clip = value_clip
+
+    def __call__(
+        self, data_iterator: Iterator[Batch], model: Any
+    ) -> tuple[torch.Tensor, Callable[..., LossOut]]:
+        from stages.engine.model import unwrap
+        from stages.engine.reward_model import token_values
+
+        batch = _next_batch(data_iterator)
+        output = _logits(model, batch["tokens"])
+        gpt = unwrap(model)
+        if gpt.post_process:
+            output = token_values(gpt)
+        return output, partial(self.loss, batch)
+
+    def loss(self, batch: Batch, values: torch.Tensor) -> LossOut:
+        if "returns" not in batch:
+            n = torch.tensor(1, dtype=torch.int, device=values.device)
+            return values.sum() * 0, n, {"values": values.detach()}
+        mask = batch["loss_mask"].float()
+        vl, clipped = clipped_value_loss(values, batch["old_values"], batch["returns"], self.value_clip)
+        loss = (vl * mask).sum()
+        n = mask.sum()
+        return (
+            loss,
+            n.to(torch.int),
+            {"value_loss": _report(loss, n), "value_clip_frac": _report((clipped * mask).sum(), n)},
+        )
+
+
 class LogpStep:
     """Forward-only scoring: per-token log-probs [b, s] at ``temperature`` (reported as ``logps``)."""
 
     name = "logp"
     sequences_per_sample = 1
     metric_names: tuple[str, ...] = ()
+    output_key = "logps"
 
     def __init__(self, temperature: float = 1.0) -> None:
         self.temperature = temperature
@@ -187,7 +292,9 @@ def make_online_step(rlhf: Any) -> GRPOStep:
     """The step of ``rlhf.algorithm`` (online algorithms; DPO is stages.engine.steps.DPOStep)."""
     if rlhf.algorithm == "grpo":
         return GRPOStep(beta=rlhf.beta, clip_eps=rlhf.clip_eps, temperature=rlhf.temperature)
-    raise ValueError(f"rlhf.algorithm={rlhf.algorithm!r}: not an online algorithm (grpo)")
+    if rlhf.algorithm == "ppo":
+        return PPOStep(clip_eps=rlhf.clip_eps, temperature=rlhf.temperature)
+    raise ValueError(f"rlhf.algorithm={rlhf.algorithm!r}: not an online algorithm (grpo, ppo)")
 
 
 # ---------------------------------------------------------------------------- rollouts
@@ -288,7 +395,7 @@ class GRPOUnit(TrainUnit):
         gen_s = time.perf_counter() - t0
         rewards = np.asarray(self.reward(rows, gen.tokens), dtype=np.float32)
         arrays = rollout_rows(rows, gen.tokens, gen.stopped, t.seq_length, tok.pad, tok.eod)
-        arrays["advantages"] = group_advantages(rewards, g)
+        self._credit(arrays, rewards)
         new_tokens = sum(len(x) for x in gen.tokens) + sum(gen.stopped)
         self.position = start + n // g
         return arrays, {
@@ -298,9 +405,17 @@ class GRPOUnit(TrainUnit):
             "gen_tokens_per_s": new_tokens / max(gen_s, 1e-9),
         }
 
-    def _score(self, chunks: list[Any], batches: list[Batch], key: str) -> None:
+    def _credit(self, arrays: dict[str, np.ndarray], rewards: np.ndarray) -> None:
+        """Turn the rollout's rewards into what the step reads: GRPO's group-normalised ``advantages`` [n]."""
+        arrays["advantages"] = group_advantages(rewards, self.settings.group_size)
+
+    def _score(self, chunks: list[Any], batches: list[Batch], key: str, step: Any = None) -> None:
+        """Forward-only pass of ``chunks`` (in eval mode) over ``batches``; its ``key`` output into each batch."""
         t = self._t()
-        step = LogpStep(self.settings.temperature)
+        step = step or LogpStep(self.settings.temperature)
+        modes = [c.training for c in chunks]
+        for c in chunks:
+            c.eval()
         with torch.no_grad():
             outputs = run_micro_batches(
                 chunks,
@@ -310,29 +425,31 @@ class GRPOUnit(TrainUnit):
                 micro_batch_size=self.settings.parallel.micro_batch_size,
                 forward_only=True,
             )
-        for b, v in zip(batches, local_outputs(outputs, "logps", batches)):
+        for c, m in zip(chunks, modes):
+            c.train(m)
+        for b, v in zip(batches, local_outputs(outputs, step.output_key, batches)):
             b[key] = v
 
-    def updates(self, step: int) -> list[list[Batch]]:
+    def _batches(self, arrays: dict[str, np.ndarray]) -> list[Batch]:
+        """This data-parallel rank's micro batches of the rollout (every rank holds the whole rollout)."""
         from stages.engine.data import sample_range
 
-        t, st = self._t(), self.settings
-        arrays, self._last = self._rollout(step)
+        st = self.settings
         idx = sample_range(0, st.parallel.global_batch_size, D.dp_rank(), D.dp_size())
         mbs = st.parallel.micro_batch_size
-        batches = [
+        return [
             as_tensors({k: v[s : min(s + mbs, idx.stop)] for k, v in arrays.items()})
             for s in range(idx.start, idx.stop, mbs)
         ]
+
+    def updates(self, step: int) -> list[list[Batch]]:
+        t, st = self._t(), self.settings
+        arrays, self._last = self._rollout(step)
+        batches = self._batches(arrays)
         with t.meter.time("score"):
             self._score(self.models["reference"].chunks, batches, "ref_logp")
             if st.ppo_epochs > 1:
-                modes = [c.training for c in t.chunks]
-                for c in t.chunks:
-                    c.eval()
                 self._score(t.chunks, batches, "old_logp")
-                for c, m in zip(t.chunks, modes):
-                    c.train(m)
         return [batches] * st.ppo_epochs
 
     def metrics(self) -> dict[str, float]:
@@ -345,6 +462,116 @@ class GRPOUnit(TrainUnit):
         self.position = int(state.get("prompt_position", 0))
 
 
+@dataclass
+class PPOUnit(GRPOUnit):
+    """PPO's unit: the policy (the trainer's), a frozen ``reference`` and a trained ``critic`` (own optimizer,
+    schedule and checkpoint part); one global step (the module docstring's PPO part):
+
+    rollouts as GRPO's; scoring: reference and old policy log-probs, the critic's values; per-token rewards
+    (``token_rewards``: KL penalty + the score on the last response token); GAE advantages and returns
+    (``gae``), advantages whitened over the rollout's response tokens (all data-parallel ranks); then
+    ``ppo_epochs`` critic updates (clipped value loss) here, and the trainer's ``ppo_epochs`` policy updates
+    (``PPOStep``) over the same micro batches.
+    """
+
+    def _credit(self, arrays: dict[str, np.ndarray], rewards: np.ndarray) -> None:
+        arrays["score"] = rewards  # placed on each response's last token once the log-probs are known
+
+    def updates(self, step: int) -> list[list[Batch]]:
+        t, st = self._t(), self.settings
+        critic = self.models["critic"]
+        arrays, self._last = self._rollout(step)
+        batches = self._batches(arrays)
+        with t.meter.time("score"):
+            self._score(self.models["reference"].chunks, batches, "ref_logp")
+            self._score(t.chunks, batches, "old_logp")
+            self._score(critic.chunks, batches, "old_values", ValueStep(st.value_clip))
+        for b in batches:
+            rewards = token_rewards(b["score"], b["loss_mask"], b["old_logp"], b["ref_logp"], st.beta)
+            b["advantages"], b["returns"] = gae(rewards, b["old_values"], b["loss_mask"], st.gamma, st.lam)
+        self._last.update(self._whiten(batches))
+        with t.meter.time("critic"):
+            self._last.update(self._train_critic(critic, batches))
+        return [batches] * st.ppo_epochs
+
+    def _whiten(self, batches: list[Batch]) -> dict[str, float]:
+        """Whiten the advantages with the moments of all response tokens of the rollout (summed over the
+        loss-owning ranks); the critic's metrics of the rollout: ``value_mean``, ``explained_var``."""
+        sums = np.zeros(8, dtype=np.float64)
+        if D.owns_loss():
+            for b in batches:
+                m = b["loss_mask"].double()
+                a, v, r = (b[k].double() * m for k in ("advantages", "old_values", "returns"))
+                d = r - v
+                sums += [float(x.sum()) for x in (m, a, a * a, v, r, r * r, d, d * d)]
+        n, sa, saa, sv, sr, srr, sd, sdd = D.all_reduce_sum(sums)
+        n = max(n, 1.0)
+        mean = sa / n
+        std = float(np.sqrt(max(saa / n - mean * mean, 0.0)))
+        for b in batches:
+            b["advantages"] = masked_whiten(b["advantages"], b["loss_mask"], mean, std)
+        var_r = srr / n - (sr / n) ** 2
+        var_d = sdd / n - (sd / n) ** 2
+        return {
+            "value_mean": sv / n,
+            "return_mean": sr / n,
+            "explained_var": float(1 - var_d / var_r) if var_r > 1e-12 else 0.0,
+        }
+
+    def _train_critic(self, critic: NamedModel, batches: list[Batch]) -> dict[str, float]:
+        """``ppo_epochs`` updates of the critic on the rollout (its own optimizer; its LR schedule advances
+        once per global step). Its steps are not judged by nan_policy (the policy's are)."""
+        t, st = self._t(), self.settings
+        step = ValueStep(st.value_clip)
+        sums: dict[str, list[float]] = {}
+        grad_norm = None
+        for c in critic.chunks:
+            c.train()
+        for _ in range(st.ppo_epochs):
+            for c in critic.chunks:
+                c.zero_grad_buffer()
+            critic.optimizer.zero_grad()
+            outputs = run_micro_batches(
+                critic.chunks,
+                step,
+                batches,
+                seq_length=t.seq_length,
+                micro_batch_size=st.parallel.micro_batch_size,
+                forward_only=False,
+            )
+            _, grad_norm, _ = critic.optimizer.step()
+            for out in outputs:
+                for k, v in out.items():
+                    acc = sums.setdefault(k, [0.0, 0.0])
+                    acc[0] += float(v[0])
+                    acc[1] += float(v[1])
+        critic.scheduler.step(increment=1)
+        out = D.reduce_metrics({k: tuple(sums.get(k, (0.0, 0.0))) for k in step.metric_names})
+        out["value_grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        return out
+
+
+def critic_model(env: Any) -> NamedModel:
+    """PPO's critic: the policy's architecture with the reward model's scalar head at every token,
+    initialised from the stage's ``init_from`` (the SFT model; the head as drawn by its global name, bias 0),
+    trained with its own optimizer (``rlhf.critic_lr``, the policy's schedule shape) and checkpointed as its
+    own part (``critic.model`` / ``critic.optimizer``)."""
+    import dataclasses
+
+    from stages.engine.reward_model import build, load_backbone
+    from stages.engine.trainer import build_optimizer
+
+    st = env.stage
+    chunks = build(env.cfg.model, st.parallel, env.tokenizer.vocab_size, trainable=True)
+    if env.checkpointer.init_from is not None:
+        load_backbone(env.checkpointer.init_from, chunks)
+    lr = st.critic_lr if st.critic_lr is not None else st.lr
+    optimizer, scheduler = build_optimizer(
+        chunks, dataclasses.replace(st, lr=lr, min_lr=min(st.min_lr, lr)), st.parallel
+    )
+    return NamedModel("critic", chunks, optimizer, scheduler)
+
+
 def online_unit(
     env: Any,
     prompts: list[str],
@@ -352,7 +579,7 @@ def online_unit(
     check: Callable[[str, str], bool],
     reward_model: Any = None,
 ) -> tuple[GRPOUnit, None]:
-    """The GRPO unit of a stage (``train_stage(unit=lambda env: online_unit(env, ...))``): the prompt stream
+    """The GRPO (or PPO: ``PPOUnit`` with its critic) unit of a stage (``train_stage(unit=lambda env: online_unit(env, ...))``): the prompt stream
     (``prompts`` with their right ``answers``), the reward (``rlhf.reward``; the verifier applies ``check``)
     and a frozen reference holding the stage's starting weights."""
     from stages.engine.rewards import make_reward
@@ -372,10 +599,12 @@ def online_unit(
         check=check,
         model=reward_model,  # rlhf.reward=model|both: the frozen reward model (stages.engine.reward_model)
     )
-    reference = NamedModel("reference", env.frozen_model(weights="built"), init="init_from")
-    unit = GRPOUnit(
+    models = {"reference": NamedModel("reference", env.frozen_model(weights="built"), init="init_from")}
+    if st.algorithm == "ppo":
+        models["critic"] = critic_model(env)
+    unit = (PPOUnit if st.algorithm == "ppo" else GRPOUnit)(
         source=None,
-        models={"reference": reference},
+        models=models,
         prompts=PromptStream(ids, st.seed),
         reward=reward,
         tokenizer=tok,

@@ -410,7 +410,8 @@ from stages.engine import distributed as D
 from stages.engine.checkpoint import load_weights
 from stages.engine.model import build_model, unwrap
 model = ModelConfig(**json.loads(Path(sys.argv[1]).read_text()))
-ckpt, tokens, vocab, threads = Path(sys.argv[2]), torch.load(sys.argv[3]), int(sys.argv[5]), int(sys.argv[6])
+ckpt, vocab, threads = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+tokens = torch.load(sys.argv[5])
 D.init(1, 1, None, seed=0, threads=threads)
 try:
     chunks = build_model(model, ParallelConfig(micro_batch_size=1, global_batch_size=1, precision="fp32"), vocab)
@@ -418,7 +419,7 @@ try:
     gpt = unwrap(chunks[0]).eval()
     with torch.no_grad():
         pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-        torch.save(gpt(tokens, pos, None)[..., :vocab].float(), sys.argv[4])
+        torch.save(gpt(tokens, pos, None)[..., :vocab].float(), sys.argv[6])
 finally:
     D.shutdown()
 """
@@ -436,36 +437,39 @@ def _run(code: list[str], what: str) -> None:
         raise ExportError(f"{what}: {done.stderr[-2000:]}")
 
 
-def megatron_logits(
-    model: ModelConfig, checkpoint: Path, tokens: torch.Tensor, vocab: int, threads: int = 2
-) -> torch.Tensor:
-    """The checkpoint's fp32 logits for ``tokens`` from a one-rank megatron model, in a fresh process (so the
-    exporting process never holds the whole model)."""
-    import dataclasses
-
-    with tempfile.TemporaryDirectory() as d:
-        cfg, src, dst = Path(d) / "model.json", Path(d) / "tokens.pt", Path(d) / "logits.pt"
-        cfg.write_text(json.dumps(dataclasses.asdict(model)))
-        torch.save(tokens, src)
-        _run(
-            [_MEGATRON_LOGITS, str(cfg), str(checkpoint), str(src), str(dst), str(vocab), str(threads)],
-            f"{checkpoint}: megatron cannot compute the reference logits",
-        )
-        return torch.load(dst)
-
-
-def hf_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    """transformers' fp32 logits for ``tokens`` (CPU), computed in a fresh process: a process that ran
-    megatron (its CPU patches, its process groups) is no clean room for a reference."""
+def fresh_logits(code: str, args: list[str], tokens: torch.Tensor, what: str) -> torch.Tensor:
+    """Run ``code`` in a fresh interpreter with ``sys.argv[1:] = [*args, tokens.pt, logits.pt]`` and return
+    the logits it saved: a process that ran megatron (its CPU patches, its process groups) is no clean room
+    for a reference, and the exporting process never holds a second whole model."""
     with tempfile.TemporaryDirectory() as d:
         src, dst = Path(d) / "tokens.pt", Path(d) / "logits.pt"
         torch.save(tokens, src)
-        code = (
-            "import sys, torch\n"
-            "from transformers import AutoModelForCausalLM\n"
-            "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n"
-            "with torch.no_grad():\n"
-            "    torch.save(m(torch.load(sys.argv[2])).logits.float(), sys.argv[3])\n"
-        )
-        _run([code, str(model_dir), str(src), str(dst)], f"{model_dir}: transformers cannot load the export")
+        _run([code, *args, str(src), str(dst)], what)
         return torch.load(dst)
+
+
+def megatron_logits(
+    model: ModelConfig, checkpoint: Path, tokens: torch.Tensor, vocab: int, threads: int = 2
+) -> torch.Tensor:
+    """The checkpoint's fp32 logits for ``tokens`` from a one-rank megatron model, in a fresh process."""
+    import dataclasses
+
+    with tempfile.TemporaryDirectory() as d:
+        cfg = Path(d) / "model.json"
+        cfg.write_text(json.dumps(dataclasses.asdict(model)))
+        args = [str(cfg), str(checkpoint), str(vocab), str(threads)]
+        return fresh_logits(
+            _MEGATRON_LOGITS, args, tokens, f"{checkpoint}: megatron cannot compute the reference logits"
+        )
+
+
+def hf_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' fp32 logits for ``tokens`` (CPU), computed in a fresh process."""
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n"
+        "with torch.no_grad():\n"
+        "    torch.save(m(torch.load(sys.argv[2])).logits.float(), sys.argv[3])\n"
+    )
+    return fresh_logits(code, [str(model_dir)], tokens, f"{model_dir}: transformers cannot load the export")

@@ -33,10 +33,10 @@ from stages.engine.convert.export import (
     TOLERANCE,
     ExportError,
     _batch,
-    _run,
     _tokenizer_files,
     commit_checked,
     export,
+    fresh_logits,
 )
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -167,20 +167,14 @@ def export_peft(
 
 def peft_logits(base_dir: Path, adapter_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of transformers' base model with ``peft``'s adapters loaded (fp32, CPU, a fresh process)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        src, dst = Path(d) / "tokens.pt", Path(d) / "logits.pt"
-        torch.save(tokens, src)
-        code = (
-            "import sys, torch\n"
-            "from transformers import AutoModelForCausalLM\n"
-            "from peft import PeftModel\n"
-            "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)\n"
-            "m = PeftModel.from_pretrained(m, sys.argv[2]).eval()\n"
-            "with torch.no_grad():\n"
-            "    torch.save(m(torch.load(sys.argv[3])).logits.float(), sys.argv[4])\n"
-        )
-        args = [code, str(base_dir), str(adapter_dir), str(src), str(dst)]
-        _run(args, f"{adapter_dir}: peft cannot load the adapters")
-        return torch.load(dst)
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "from peft import PeftModel\n"
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)\n"
+        "m = PeftModel.from_pretrained(m, sys.argv[2]).eval()\n"
+        "with torch.no_grad():\n"
+        "    torch.save(m(torch.load(sys.argv[3])).logits.float(), sys.argv[4])\n"
+    )
+    args = [str(base_dir), str(adapter_dir)]
+    return fresh_logits(code, args, tokens, f"{adapter_dir}: peft cannot load the adapters")
