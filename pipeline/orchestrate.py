@@ -23,6 +23,10 @@ from pipeline.slurm_submit import SubmitError
 
 __all__ = ["RunError", "SubmitError", "execute", "run_dir_for"]
 
+POLL_S = 0.05
+"""How often a local job is checked (its controller process's exit code) and its metrics followed: the next
+stage is submitted this long after the previous one's processes have exited, at most."""
+
 
 class RunError(RuntimeError):
     """The run cannot go on (a stage failed or an input is missing); the message says where to look."""
@@ -136,7 +140,7 @@ def _run_one_local(cfg: PipelineConfig, stage: str, run_dir: Path, ledger: Ledge
         else:
             while not job.done():
                 follower.poll()
-                time.sleep(0.5)
+                time.sleep(POLL_S)
             job.results()
     except Exception as e:
         follower.poll()

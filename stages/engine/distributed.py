@@ -58,6 +58,56 @@ def env_from_os(environ: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv(rank, world, _env_int(environ, "LOCAL_RANK", 0), addr, port)
 
 
+HIDDEN_AT_MEGATRON_IMPORT = ("wandb", "torch.utils.tensorboard")
+"""Optional packages megatron.core imports at its own import and the engine never uses through it: hidden
+(``import`` raises ImportError) while megatron.core imports, so it takes them as absent. ``wandb`` is ~1 s of
+a job's start-up (megatron's dynamic inference context and timers import it for their metrics writers),
+tensorboard ~0.5 s (megatron's Timers.write); our own ``monitor.wandb``/``monitor.tensorboard`` import them
+later, unaffected."""
+
+
+def import_megatron() -> None:
+    """Import megatron.core for a job, without the start-up that the job cannot use (idempotent).
+
+    - the packages in HIDDEN_AT_MEGATRON_IMPORT are hidden during the import;
+    - with ``TORCHDYNAMO_DISABLE=1`` (cpu_compat.skip_torch_compile; torch.compile then returns the function
+      unchanged) ``torch.compile`` is the identity while megatron decorates its fused helpers at import:
+      the same functions, without importing torch._dynamo (~0.7 s). Called after the variable is cleared it
+      is torch.compile again.
+    """
+    import importlib
+    import sys
+
+    if "megatron.core" in sys.modules:
+        return
+    hidden = [name for name in HIDDEN_AT_MEGATRON_IMPORT if name not in sys.modules]
+    real_compile = torch.compile
+    try:
+        for name in hidden:
+            sys.modules[name] = None  # type: ignore[assignment]
+        if os.environ.get("TORCHDYNAMO_DISABLE") == "1":
+            torch.compile = _compile_or_identity(real_compile)  # type: ignore[assignment]
+        importlib.import_module("megatron.core")
+    finally:
+        torch.compile = real_compile  # type: ignore[assignment]
+        for name in hidden:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
+
+
+def _compile_or_identity(real: Any) -> Any:
+    """torch.compile's result under TORCHDYNAMO_DISABLE=1 (the function itself), without importing dynamo."""
+
+    def compile(model: Any = None, **kwargs: Any) -> Any:
+        if os.environ.get("TORCHDYNAMO_DISABLE") != "1" or kwargs.get("backend") not in (None, "inductor"):
+            return real(model, **kwargs)
+        if model is None:  # decorator with arguments: @torch.compile(...)
+            return lambda fn: fn
+        return model
+
+    return compile
+
+
 def init(
     tp: int = 1,
     pp: int = 1,
@@ -89,6 +139,7 @@ def init(
     from stages.engine import cpu_compat
 
     cpu_compat.skip_torch_compile()
+    import_megatron()
     cpu_compat.install()
     from megatron.core import parallel_state
 
