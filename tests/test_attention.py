@@ -4,6 +4,8 @@ and SFT packing (sft_source(pack=True) + the block-diagonal mask) against one ex
 Both run this file as a worker (fresh process per run: the CPU compatibility layer patches torch):
 - 1 rank and TP2: same weights, GQA (4 heads, 2 groups); per-token losses and gradients of both modules
   agree within fp32 tolerance, with the causal mask and with a packed block-diagonal mask.
+- the local spec's linears (F.linear where megatron's linear function is a plain product) against megatron's
+  own, 1 rank and TP2: losses and gradients agree within fp32 tolerance.
 - packing: every example's summed response loss is the same packed (several per row, positions restarting,
   attention kept per example) as alone in a row, for learned absolute positions and for RoPE.
 """
@@ -38,6 +40,17 @@ def test_sdpa_equals_unfused_attention(tp: int, tmp_path: Path) -> None:
         assert out[case]["loss_diff"] < TOL * out[case]["loss_scale"], out
         assert out[case]["grad_diff"] < TOL * out[case]["grad_scale"], out
         assert out[case]["loss_scale"] > 0 and out[case]["grad_scale"] > 0
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tp", [1, 2])
+def test_local_linears_equal_megatrons(tp: int, tmp_path: Path) -> None:
+    """The local spec's F.linear fast path (stages.engine.linear) against megatron's linear function."""
+    out = _run(tp, {"tp": tp, "check": "linear"}, tmp_path)
+    assert out["fast_linears"] == 4 * 2  # qkv, proj, fc1, fc2 of both layers
+    assert out["loss_diff"] < TOL * out["loss_scale"], out
+    assert out["grad_diff"] < TOL * out["grad_scale"], out
+    assert out["loss_scale"] > 0 and out["grad_scale"] > 0
 
 
 @pytest.mark.dist
@@ -110,6 +123,37 @@ def _attention(tp: int) -> dict[str, Any]:
     return out
 
 
+def _linear(tp: int) -> dict[str, Any]:
+    """Losses and gradients of one model with the local spec's linears, then with megatron's (same weights)."""
+    import torch
+
+    from stages.engine import linear
+    from stages.engine.model import unwrap
+    from stages.engine.steps import _per_token_nll
+
+    model = _models(tp, "learned_absolute")["sdpa"]
+    fast = [m for m in model.modules() if type(m) in (linear.ColumnParallelLinear, linear.RowParallelLinear)]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(4, VOCAB, (3, SEQ), generator=gen)
+    labels = torch.randint(4, VOCAB, (3, SEQ), generator=gen)
+    losses, grads = [], []
+    for _ in ("fast", "megatron"):
+        model.zero_grad_buffer()
+        nll = _per_token_nll(unwrap(model), tokens, labels, None)
+        nll.sum().backward()
+        losses.append(nll.detach())
+        grads.append(torch.cat([p.main_grad.flatten() for p in model.parameters()]))
+        for m in fast:
+            m.__class__ = type(m).__base__  # megatron's own class: its linear function
+    return {
+        "fast_linears": len(fast),
+        "loss_diff": float((losses[0] - losses[1]).abs().max()),
+        "loss_scale": float(losses[1].abs().max()),
+        "grad_diff": float((grads[0] - grads[1]).abs().max()),
+        "grad_scale": float(grads[1].abs().max()),
+    }
+
+
 def _packing(tmp: Path) -> dict[str, Any]:
     import random
 
@@ -156,6 +200,8 @@ def run(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
 
     D.init(spec["tp"], 1, None, seed=1234, threads=1)
     try:
+        if spec["check"] == "linear":
+            return _linear(spec["tp"])
         return _attention(spec["tp"]) if spec["check"] == "attention" else _packing(tmp)
     finally:
         D.shutdown()

@@ -1,7 +1,10 @@
-"""Verification shared by the ranks (stages.engine.checkpoint.verify_collective / find_latest) and its modes.
+"""Verification shared by the ranks (stages.engine.checkpoint.verify_collective / find_latest / load_latest).
 
-The two-rank test runs this file as a script on 2 gloo ranks (no megatron): each rank hashes only its share
-of a hand-made checkpoint, and a corrupted file in rank 1's share still makes both ranks skip it.
+The two-rank tests run this file as a script on 2 gloo ranks: each rank hashes only its share of a
+hand-made checkpoint, and a corrupted file in rank 1's share still makes both ranks skip it (no megatron);
+and a resume (the trainer's Checkpointer.restore), whose hashing overlaps the load, finds a corrupted
+tensor file of rank 1, loads nothing of it and falls back to the checkpoint before (megatron's
+dist_checkpointing).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pytest
 from stages.engine import checkpoint as ck
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
 FILES = ("__0_0.distcp", "__1_0.distcp", "rng.rank0.pt", "rng.rank1.pt", "common.pt", ".metadata")
 
 
@@ -113,6 +117,84 @@ def test_two_ranks_verify_their_own_files_and_agree(tmp_path: Path) -> None:
     assert f"skipping checkpoint {newest}: {corrupt}: {ck.HASH}" in err0  # rank 0 reports rank 1's finding
 
 
+@pytest.mark.dist
+def test_resume_verifies_while_loading_and_falls_back(tmp_path: Path) -> None:
+    """Rank 1's tensor file of the newest checkpoint corrupted (same size): ``load(verify="full")`` fails
+    naming it with nothing loaded on either rank, and the resume loads the checkpoint before."""
+    from engine_worker import launch
+
+    out = launch(
+        2, {"root": str(tmp_path / "checkpoints")}, tmp_path / "work", timeout_s=600, script=Path(__file__)
+    )
+    corrupt = out["corrupt"]
+    assert "__1_" in Path(corrupt).name
+    for rank, r in enumerate(out["ranks"]):
+        assert r["error"].startswith(f"refusing to load {Path(corrupt).parent}: {corrupt}: {ck.HASH}"), r
+        assert r["after_error"] == [-1.0], "a tensor of the corrupted checkpoint reached the model"
+        assert r["resumed"] == {"iteration": 1, "it": 1} and r["after_resume"] == [1.0], r
+        assert (corrupt in r["hashed"]) == (rank == 1), r["hashed"]  # only rank 1 hashes its own file
+    log0 = (tmp_path / "work" / "rank0.log").read_text()
+    assert f"skipping checkpoint {Path(corrupt).parent}: {corrupt}: {ck.HASH}" in log0
+
+
+def _load_worker(spec: dict) -> dict:
+    """Save iterations 1 and 2 (weights all 1.0, then 2.0), corrupt rank 1's tensor file of 2, load, resume."""
+    import logging
+
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from stages.engine import distributed as D
+    from stages.engine.trainer import Checkpointer
+
+    logging.basicConfig(level=logging.WARNING)
+    D.init(1, 1, None, seed=1, threads=1)
+    rank, world = D.rank(), D.world_size()
+
+    class Chunk(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1 << 16), requires_grad=False)
+
+        def sharded_state_dict(self) -> dict:
+            return {"w": ShardedTensor.from_rank_offsets("w", self.w.data, (0, rank, world), replica_id=0)}
+
+        def load_state_dict(self, state: dict, strict: bool = True) -> tuple[list, list]:
+            self.w.data.copy_(state["w"])
+            return [], []
+
+    chunk, root = Chunk(), Path(spec["root"])
+    for it in (1, 2):
+        chunk.w.data.fill_(float(it))
+        ck.save(root, it, model_chunks=[chunk], optimizer=None, scheduler=None, state={"it": it})
+    newest = root / ck.iter_dir_name(2)
+    corrupt = max(newest.glob("__1_*.distcp"), key=lambda p: p.stat().st_size)
+    if rank == 1:
+        flip_byte(corrupt, corrupt.stat().st_size // 2)
+    D.barrier()
+    hashed: list[str] = []
+    record = ck._file_record
+    ck._file_record = lambda path, **kw: hashed.append(str(path)) or record(path, **kw)  # type: ignore
+    chunk.w.data.fill_(-1.0)
+    try:
+        ck.load(newest, model_chunks=[chunk], verify="full")
+        error = "loaded"
+    except ck.CorruptCheckpoint as e:
+        error = str(e)
+    after_error = sorted(set(chunk.w.data.tolist()))
+    state = Checkpointer(root, 1000).restore([chunk], None, None)
+    mine = {
+        "error": error,
+        "after_error": after_error,
+        "resumed": {k: state[k] for k in ("iteration", "it")} if state else None,
+        "after_resume": sorted(set(chunk.w.data.tolist())),
+        "hashed": [h for h in hashed if Path(h).parent == newest],
+    }
+    ranks = D.all_gather_object(mine)
+    D.shutdown()
+    return {"corrupt": str(corrupt), "ranks": ranks}
+
+
 def _worker(root: str) -> None:
     import logging
 
@@ -134,4 +216,10 @@ def _worker(root: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    if sys.argv[1].endswith(".json"):  # launched by engine_worker.launch: the resume test's ranks
+        spec = json.loads(Path(sys.argv[1]).read_text())
+        result = _load_worker(spec)
+        if os.environ["RANK"] == "0":
+            Path(spec["out"]).write_text(json.dumps(result))
+    else:
+        _worker(sys.argv[1])

@@ -100,11 +100,12 @@ class _LoraMixin:
 
 
 def _classes() -> dict[str, type]:
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
         reduce_from_tensor_model_parallel_region,
     )
+
+    from stages.engine.linear import ColumnParallelLinear, RowParallelLinear  # the local spec's linears
 
     class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):  # type: ignore[misc]
         """ColumnParallelLinear + LoRA: A replicated, B split on the output dim."""

@@ -103,8 +103,11 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from stages.engine.linear import use_in
+
     spec = get_gpt_layer_local_spec(normalization=model.normalization)
     _set_core_attention(spec, model.attention_backend)
+    use_in(spec)  # F.linear where megatron's linear function is a plain product (stages/engine/linear.py)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(spec),

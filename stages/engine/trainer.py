@@ -100,7 +100,7 @@ ATTEMPT_ENV = "PIPELINE_STAGE_ATTEMPT"
 
 
 class Checkpointer:
-    """Resume / init_from / periodic saves through stages.engine.checkpoint (save, find_latest, load, load_weights)."""
+    """Resume / init_from / periodic saves through stages.engine.checkpoint (save, load_latest, load_weights)."""
 
     def __init__(
         self,
@@ -146,19 +146,17 @@ class Checkpointer:
         from stages.engine import checkpoint
 
         checkpoint.prune_incomplete(self.root, self.keep_incomplete)
-        latest = checkpoint.find_latest(self.root)
-        if latest is not None:
-            if self.peft is not None:  # a LoRA checkpoint holds the adapters: the base comes from init_from
-                self.load_init_weights(chunks)
-            return dict(
-                checkpoint.load(
-                    latest,
-                    model_chunks=chunks,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    models=_parts(models),
-                )
-            )
+        found = checkpoint.load_latest(  # verified while it loads; a bad one is skipped for the one before
+            self.root,
+            # a LoRA checkpoint holds the adapters: the base comes from init_from
+            before_load=(lambda: self.load_init_weights(chunks)) if self.peft is not None else None,
+            model_chunks=chunks,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            models=_parts(models),
+        )
+        if found is not None:
+            return dict(found[1])
         if init_weights:
             self.load_init_weights(chunks)
         return None
@@ -291,14 +289,10 @@ class Checkpointer:
         from stages.engine import checkpoint
 
         self.finalize(blocking=True)
-        latest = checkpoint.find_latest(self.root)
-        if latest is None:
-            return None
-        return dict(
-            checkpoint.load(
-                latest, model_chunks=chunks, optimizer=optimizer, scheduler=scheduler, models=_parts(models)
-            )
+        found = checkpoint.load_latest(
+            self.root, model_chunks=chunks, optimizer=optimizer, scheduler=scheduler, models=_parts(models)
         )
+        return dict(found[1]) if found is not None else None
 
 
 def _parts(models: dict[str, NamedModel] | None) -> dict[str, tuple[list[Any], Any, Any]] | None:

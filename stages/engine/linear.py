@@ -1,0 +1,97 @@
+"""The local layer spec's linears: megatron's Column/RowParallelLinear with a plain ``F.linear`` fast path.
+
+megatron runs every linear through its own autograd function (``LinearWithGradAccumulationAndAsyncCommunication``:
+``matmul`` then a separate ``+ bias``, Python forward and backward). Where that function has nothing to do
+besides the product - no tensor-parallel all-reduce of the input gradient, no sequence parallel, no fused
+gradient accumulation into ``main_grad``, no deferred embedding wgrad - ``F.linear`` computes the same thing
+(forward ``x W^T + b``, gradients ``g W``, ``g^T x``, ``sum g``) with the bias folded into the GEMM (``addmm``)
+and autograd's C++ backward. A ``skip_bias_add`` linear (MLP fc1, attention proj, MLP fc2) on one
+tensor-parallel rank adds its bias inside the GEMM too and returns None as its bias; megatron's MLP and
+bias-dropout-add then skip their own ``+ bias``. Measured at the 4.4x shape of bench/bench_attention.py
+(torch.profiler, one thread): the separate bias adds and the Python autograd function were ~2% of a training
+step on CPU.
+
+Parameters, checkpoint keys, tensor-parallel attributes and every other path are megatron's: the subclasses
+override ``_forward_impl`` (the hook megatron itself uses to pick its frozen-weight variant) and, for the
+bias folding, ``forward``. Equal to megatron's linears within fp32 rounding (the bias is added inside the
+GEMM): tests/test_attention.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+
+
+def _plain(kwargs: dict[str, Any]) -> bool:
+    """Whether megatron's linear function would compute just ``x W^T + b`` for these arguments."""
+    return not (
+        kwargs.get("gradient_accumulation_fusion")
+        or kwargs.get("allreduce_dgrad")
+        or kwargs.get("sequence_parallel")
+        or kwargs.get("grad_output_buffer") is not None
+    )
+
+
+def _fold(linear: Any) -> bool:
+    """Whether a ``skip_bias_add`` linear can add its bias inside the GEMM and return None as its bias.
+
+    Only on one tensor-parallel rank (a row-parallel bias is added after the all-reduce) and where nothing
+    downstream needs the bias apart: megatron's MLP and bias-dropout-add add a returned bias themselves,
+    except the fused bias-activation kernels (``bias_activation_fusion``), which take it separately.
+    """
+    config = linear.config
+    return (
+        linear.skip_bias_add
+        and linear.bias is not None
+        and linear.tp_group.size() == 1
+        and not (
+            linear.sequence_parallel or linear.gradient_accumulation_fusion or linear.explicit_expert_comm
+        )
+        and not (config.bias_activation_fusion or config.defer_embedding_wgrad_compute)
+        and config._cpu_offloading_context is None
+    )
+
+
+class ColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
+    """megatron's ColumnParallelLinear; ``F.linear`` where its linear function is a plain product (tp=1)."""
+
+    def forward(self, input_: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> Any:
+        if weight is None and _fold(self):  # MLP fc1: bias in the GEMM, not a separate add before GELU
+            return F.linear(input_, self.weight, self.bias), None
+        return super().forward(input_, weight, runtime_gather_output)
+
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not args and _plain(kwargs):
+            return F.linear(input, weight, kwargs.get("bias"))
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+class RowParallelLinear(tensor_parallel.RowParallelLinear):
+    """megatron's RowParallelLinear; ``F.linear`` where its linear function is a plain product."""
+
+    def forward(self, input_: torch.Tensor) -> Any:
+        if _fold(self):  # attention proj, MLP fc2: bias in the GEMM, not in bias-dropout-add
+            return F.linear(input_, self.weight, self.bias), None
+        return super().forward(input_)
+
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not args and _plain(kwargs):
+            return F.linear(input, weight, kwargs.get("bias"))
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+def use_in(spec: Any) -> None:
+    """Put these linears into megatron's local layer spec (attention qkv/proj, MLP fc1/fc2), in place."""
+    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    for holder, name, cls in (
+        (attn, "linear_qkv", ColumnParallelLinear),
+        (attn, "linear_proj", RowParallelLinear),
+        (mlp, "linear_fc1", ColumnParallelLinear),
+        (mlp, "linear_fc2", RowParallelLinear),
+    ):
+        if getattr(holder, name, None) is cls.__base__:
+            setattr(holder, name, cls)
