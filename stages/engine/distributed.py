@@ -272,6 +272,27 @@ def reduce_metrics(sums: Mapping[str, tuple[float, float]]) -> dict[str, float]:
     return {n: float(s / c) if c else float("nan") for n, (s, c) in zip(names, total)}
 
 
+def dp_all_gather(values: np.ndarray) -> np.ndarray:
+    """Every data-parallel rank's float64 ``values`` (the same shape on each), concatenated along axis 0 in
+    data-parallel rank order, on every rank (the per-row scalars of a rollout each rank sampled its share of)."""
+    local = np.ascontiguousarray(np.asarray(values, dtype=np.float64))
+    if world_size() == 1 or dp_size() == 1:
+        return local
+    t = torch.as_tensor(local).to(device())
+    out = [torch.empty_like(t) for _ in range(dp_size())]
+    dist.all_gather(out, t, group=_ps().get_data_parallel_group())
+    return torch.cat(out).cpu().numpy()
+
+
+def mp_all_reduce_sum(values: Sequence[float] | np.ndarray | torch.Tensor) -> np.ndarray:
+    """Sum float64 values over this rank's model-parallel group (its tensor- and pipeline-parallel peers; not
+    across data-parallel ranks, which may hold different rows)."""
+    t = torch.as_tensor(np.asarray(values, dtype=np.float64)).to(device())
+    if world_size() > 1 and world_size() > dp_size():
+        dist.all_reduce(t, group=_ps().get_model_parallel_group())
+    return t.cpu().numpy()
+
+
 def all_reduce_max(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device())
     if world_size() > 1:

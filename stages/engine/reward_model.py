@@ -107,7 +107,9 @@ class RewardModel:
 
     ``prompts`` / ``responses``: token id lists (the prompt as the model saw it, ``<|user|>...<|assistant|>``).
     Batched forward passes (``batch_size`` sequences) through megatron's forward-only schedule, so any TP/PP
-    layout works; every rank gets every score. Call after ``stages.engine.distributed.init``.
+    layout works. The ranks of one model-parallel group (TP x PP) pass the same rows and each gets every
+    score; data-parallel ranks may pass different rows (RL scores each rank's own rollouts). Call after
+    ``stages.engine.distributed.init``.
     """
 
     def __init__(
@@ -184,10 +186,10 @@ class RewardModel:
                 micro_batch_size=bs,
                 forward_only=True,
             )
-            if D.owns_loss() and D.dp_rank() == 0:
+            if D.owns_loss():
                 got = torch.cat([o["scores"][:k] for o, k in zip(outputs, sizes)]).cpu().numpy()
                 out[:] = got
-        return D.all_reduce_sum(out).astype(np.float32)
+        return D.mp_all_reduce_sum(out).astype(np.float32)  # data-parallel ranks may score different rows
 
 
 def _score_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:

@@ -6,10 +6,16 @@ One global step of ``rlhf.algorithm=grpo`` (``GRPOUnit.updates`` + ``GRPOStep``,
 1. prompts: the next ``P = global_batch_size / group_size`` prompts of the task's prompt stream
    (stages/rlhf.py ``task_prompts``: data_prep's ``rl_train.jsonl``, else the SFT file's prompts; a seeded
    order per epoch; the position is ``step * P``, saved in checkpoints);
-2. rollouts: ``group_size`` samples per prompt from the policy (stages.engine.generate, KV cache, seeded by
-   ``(seed, step)``, so a resumed run draws the same samples); every rank generates the whole batch;
-3. rewards ``r`` (stages.engine.rewards) and advantages ``A = (r - mean_g) / (std_g + 1e-6)`` per group
-   (population std; a group with equal rewards has A = 0);
+2. rollouts: ``group_size`` samples per prompt from the policy (stages.engine.generate, KV cache). The
+   batch's rows (each prompt's samples contiguous) are split over the data-parallel ranks exactly as the
+   trainer splits a batch (``data.sample_range``: rank ``d`` of ``D`` holds rows ``[d * n/D, (d+1) * n/D)``),
+   and each data-parallel rank generates only the rows it trains on (its tensor/pipeline-parallel peers
+   generate the same rows with it). Seeded by ``sample_seed(seed, step, dp_rank)``: a resumed run on the same
+   layout draws the same samples (another data-parallel size draws others);
+3. rewards ``r`` (stages.engine.rewards) of each rank's rows, then every row's reward (and length) gathered
+   over the data-parallel ranks (``distributed.dp_all_gather``: n scalars), so group statistics and metrics
+   are those of the whole batch, whichever ranks a group's rows sit on; advantages
+   ``A = (r - mean_g) / (std_g + 1e-6)`` per group (population std; a group with equal rewards has A = 0);
 4. scoring: per-token log-probs of the frozen reference (and, with ``ppo_epochs > 1``, of the policy before
    the updates: the "old" log-probs), forward-only;
 5. ``ppo_epochs`` optimizer updates over the rollout batch, each minimising, over response tokens (and the
@@ -24,18 +30,20 @@ One global step of ``rlhf.algorithm=grpo`` (``GRPOUnit.updates`` + ``GRPOStep``,
 Metrics per step (the ``train`` line): ``loss``, ``kl`` (mean k3 per token), ``entropy`` (mean -log pi of
 the sampled tokens: a Monte Carlo estimate of the policy's entropy), ``clip_frac`` (share of tokens whose
 clipped term is active), ``reward_mean``, ``reward_std``, ``response_len`` (new tokens per response, eod
-excluded), ``gen_tokens_per_s``, and the meter's ``time_generate_s`` / ``time_score_s`` next to
+excluded), all over the whole batch; ``gen_tokens_per_s`` (the batch's new tokens over the slowest rank's
+generation time); and the meter's ``time_generate_s`` / ``time_score_s`` next to
 ``time_fwd_bwd_s`` / ``time_optimizer_s`` (generation vs training time).
 
 ``rlhf.algorithm=ppo`` (``PPOUnit`` + ``PPOStep``) adds a trained critic ``V`` (the policy's architecture
 with the reward model's scalar head at every token, ``ValueStep``; initialised from the stage's init_from,
 the SFT model; its own optimizer and checkpoint part). Steps 1-2 as above; then:
 
-3. scoring: reference and old policy log-probs, the critic's values ``V_old`` at every position whose label
-   is a response token (the value of the prefix before that token);
+3. scoring (each data-parallel rank its own rows): reference and old policy log-probs, the critic's values
+   ``V_old`` at every position whose label is a response token (the value of the prefix before that token);
 4. per-token rewards ``r_t = -beta * (old_logp_t - ref_logp_t)`` (the KL penalty, k1, in the rewards) plus
    the sequence's reward on its last token (``token_rewards``); GAE (``gae``, ``rlhf.gamma``, ``rlhf.lam``):
-   advantages ``A`` and returns ``R = A + V_old``; ``A`` whitened over all response tokens of the rollout;
+   advantages ``A`` and returns ``R = A + V_old``; ``A`` whitened over all response tokens of the rollout
+   (the moments summed over the data-parallel ranks);
 5. ``ppo_epochs`` critic updates minimising the token mean of
    ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)`` (c = ``rlhf.value_clip``), then
    ``ppo_epochs`` policy updates of the clipped loss of the per-token ``A`` (no KL term: it is in ``r``).
@@ -324,9 +332,12 @@ class PromptStream:
         return out
 
 
-def sample_seed(seed: int, step: int) -> int:
-    """The sampler's seed at global step ``step``: a function of (stage seed, step), so resume redraws alike."""
-    return int(np.random.SeedSequence([seed, step]).generate_state(1, dtype=np.uint64)[0] >> 1)
+def sample_seed(seed: int, step: int, dp_rank: int = 0) -> int:
+    """The sampler's seed of data-parallel rank ``dp_rank`` at global step ``step``: a function of (stage seed,
+    step, dp_rank), so a resumed run on the same layout redraws alike. Rank 0 keeps ``(seed, step)``: a
+    single-rank run draws as it did before rollouts were split over data-parallel ranks."""
+    entropy = [seed, step] if dp_rank == 0 else [seed, step, dp_rank]
+    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 def rollout_rows(
@@ -371,9 +382,14 @@ class GRPOUnit(TrainUnit):
     """The rlhf stage config (RLHFStage): group_size, temperature, top_p, max_new_tokens, ppo_epochs."""
     position: int = 0
     """Prompts consumed so far (the prompt stream's position; saved in checkpoints)."""
+    generated_rows: int = 0
+    """Responses this rank has sampled since it started (its share of each rollout; not checkpointed)."""
     _last: dict[str, float] = field(default_factory=dict, repr=False)
 
     def _rollout(self, step: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """This data-parallel rank's share of the step's rollout (the rows it trains on) and the metrics of
+        the whole rollout (per-row rewards and lengths gathered over the data-parallel ranks)."""
+        from stages.engine.data import sample_range
         from stages.engine.generate import SamplingParams, generate
 
         t, st, tok = self._t(), self.settings, self.tokenizer
@@ -381,33 +397,41 @@ class GRPOUnit(TrainUnit):
         n = st.parallel.global_batch_size
         g = st.group_size
         start = step * (n // g)  # the stream's position is a function of the step (a skipped step too)
-        rows = [p for p in self.prompts.take(start, n // g) for _ in range(g)]
+        everyone = [p for p in self.prompts.take(start, n // g) for _ in range(g)]
+        own = sample_range(0, n, D.dp_rank(), D.dp_size())  # the rows it trains on (as units.micro_batches)
+        rows = everyone[own.start : own.stop]
         params = SamplingParams(
             max_new_tokens=st.max_new_tokens,
             temperature=st.temperature,
             top_p=st.top_p,
             stop_tokens=(tok.eod,),
-            seed=sample_seed(st.seed, step),
+            seed=sample_seed(st.seed, step, D.dp_rank()),
         )
         t0 = time.perf_counter()
         with t.meter.time("generate"):
             gen = generate(t.chunks, rows, params, vocab_size=tok.vocab_size, pad_id=tok.pad)
         gen_s = time.perf_counter() - t0
+        self.generated_rows += len(rows)
         rewards = np.asarray(self.reward(rows, gen.tokens), dtype=np.float32)
         arrays = rollout_rows(rows, gen.tokens, gen.stopped, t.seq_length, tok.pad, tok.eod)
-        self._credit(arrays, rewards)
-        new_tokens = sum(len(x) for x in gen.tokens) + sum(gen.stopped)
+        per_row = np.stack(
+            [rewards, [len(x) for x in gen.tokens], [len(x) + s for x, s in zip(gen.tokens, gen.stopped)]], 1
+        )
+        whole = D.dp_all_gather(per_row)  # [n, 3]: every row's reward, response length, new tokens
+        all_rewards = whole[:, 0].astype(np.float32)  # float32 -> float64 -> float32: exact
+        self._credit(arrays, all_rewards, own)
         self.position = start + n // g
         return arrays, {
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "response_len": float(np.mean([len(x) for x in gen.tokens])),
-            "gen_tokens_per_s": new_tokens / max(gen_s, 1e-9),
+            "reward_mean": float(all_rewards.mean()),
+            "reward_std": float(all_rewards.std()),
+            "response_len": float(whole[:, 1].mean()),
+            "gen_tokens_per_s": float(whole[:, 2].sum()) / max(D.all_reduce_max(gen_s), 1e-9),
         }
 
-    def _credit(self, arrays: dict[str, np.ndarray], rewards: np.ndarray) -> None:
-        """Turn the rollout's rewards into what the step reads: GRPO's group-normalised ``advantages`` [n]."""
-        arrays["advantages"] = group_advantages(rewards, self.settings.group_size)
+    def _credit(self, arrays: dict[str, np.ndarray], rewards: np.ndarray, own: range) -> None:
+        """Turn the rollout's rewards (``rewards``: the whole batch) into what the step reads for this rank's
+        rows ``own``: GRPO's group-normalised ``advantages`` (group statistics over the whole batch)."""
+        arrays["advantages"] = group_advantages(rewards, self.settings.group_size)[own.start : own.stop]
 
     def _score(self, chunks: list[Any], batches: list[Batch], key: str, step: Any = None) -> None:
         """Forward-only pass of ``chunks`` (in eval mode) over ``batches``; its ``key`` output into each batch."""
@@ -431,16 +455,10 @@ class GRPOUnit(TrainUnit):
             b[key] = v
 
     def _batches(self, arrays: dict[str, np.ndarray]) -> list[Batch]:
-        """This data-parallel rank's micro batches of the rollout (every rank holds the whole rollout)."""
-        from stages.engine.data import sample_range
-
-        st = self.settings
-        idx = sample_range(0, st.parallel.global_batch_size, D.dp_rank(), D.dp_size())
-        mbs = st.parallel.micro_batch_size
-        return [
-            as_tensors({k: v[s : min(s + mbs, idx.stop)] for k, v in arrays.items()})
-            for s in range(idx.start, idx.stop, mbs)
-        ]
+        """This data-parallel rank's micro batches of its share of the rollout (``arrays``: its rows only)."""
+        mbs = self.settings.parallel.micro_batch_size
+        rows = len(arrays["tokens"])
+        return [as_tensors({k: v[s : s + mbs] for k, v in arrays.items()}) for s in range(0, rows, mbs)]
 
     def updates(self, step: int) -> list[list[Batch]]:
         t, st = self._t(), self.settings
@@ -456,7 +474,7 @@ class GRPOUnit(TrainUnit):
         return dict(self._last)
 
     def state(self) -> dict[str, Any]:
-        return {"prompt_position": self.position, "sampler_seed": "SeedSequence([seed, step])"}
+        return {"prompt_position": self.position, "sampler_seed": "sample_seed(seed, step, dp_rank)"}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.position = int(state.get("prompt_position", 0))
@@ -474,8 +492,9 @@ class PPOUnit(GRPOUnit):
     (``PPOStep``) over the same micro batches.
     """
 
-    def _credit(self, arrays: dict[str, np.ndarray], rewards: np.ndarray) -> None:
-        arrays["score"] = rewards  # placed on each response's last token once the log-probs are known
+    def _credit(self, arrays: dict[str, np.ndarray], rewards: np.ndarray, own: range) -> None:
+        # placed on each response's last token once the log-probs are known
+        arrays["score"] = rewards[own.start : own.stop]
 
     def updates(self, step: int) -> list[list[Batch]]:
         t, st = self._t(), self.settings
