@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,8 +183,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         D.shutdown()
 
 
-if __name__ == "__main__":
+def serve(work: Callable[[dict[str, Any]], Any]) -> None:
+    """A worker script's main (``python <worker> SPEC.json``, as ``launch`` starts it): ``work(spec)`` on this
+    rank; rank 0 writes the result as JSON to ``spec["out"]``."""
+    sys.path.insert(0, str(ROOT))
     spec = json.loads(Path(sys.argv[1]).read_text())
-    result = run(spec)
+    result = work(spec)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(spec["out"]).write_text(json.dumps(result, default=float))
+
+
+if __name__ == "__main__":
+    serve(run)

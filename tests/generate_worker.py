@@ -7,8 +7,6 @@ load_weights (checkpoint root of the model weights, as in engine_worker), out (r
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -64,7 +62,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    result = run(spec)
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(spec["out"]).write_text(json.dumps(result))
+    from engine_worker import serve
+
+    serve(run)

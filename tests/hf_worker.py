@@ -8,15 +8,10 @@ imported weights there as iteration 0), out (rank 0's result file).
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def forward_logits(chunks: list[Any], tokens: Any, seq: int) -> Any:
@@ -87,8 +82,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    result = run(spec)
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(spec["out"]).write_text(json.dumps(result))
+    from engine_worker import serve
+
+    serve(run)

@@ -7,15 +7,11 @@ plain GPT saved first and loaded with the head fresh, as init_from from SFT does
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, PAD, GOOD, BAD = 64, 16, 0, 7, 9
 
 
@@ -122,8 +118,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    result = run(spec)
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(spec["out"]).write_text(json.dumps(result, default=float))
+    from engine_worker import serve
+
+    serve(run)

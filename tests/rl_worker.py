@@ -7,10 +7,6 @@ Run through ``engine_worker.launch(world, spec, tmp, script=THIS)``. SPEC keys: 
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -95,7 +91,6 @@ def _row(arrays: dict[str, np.ndarray], i: int) -> dict[str, list[int]]:
 
 
 if __name__ == "__main__":
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    result = run(spec)
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(spec["out"]).write_text(json.dumps(result))
+    from engine_worker import serve
+
+    serve(run)

@@ -13,7 +13,6 @@ Both run this file as a worker (fresh process per run: the CPU compatibility lay
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -208,7 +207,6 @@ def run(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    result = run(spec, Path(sys.argv[1]).parent)
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(spec["out"]).write_text(json.dumps(result))
+    from engine_worker import serve
+
+    serve(lambda spec: run(spec, Path(sys.argv[1]).parent))

@@ -265,7 +265,6 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    result = worker(spec)
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(spec["out"]).write_text(json.dumps(result))
+    from engine_worker import serve
+
+    serve(worker)

@@ -248,9 +248,8 @@ def _worker(root: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1].endswith(".json"):  # launched by engine_worker.launch: the resume test's ranks
-        spec = json.loads(Path(sys.argv[1]).read_text())
-        result = _load_worker(spec)
-        if os.environ["RANK"] == "0":
-            Path(spec["out"]).write_text(json.dumps(result))
+        from engine_worker import serve
+
+        serve(_load_worker)
     else:
         _worker(sys.argv[1])

@@ -332,29 +332,20 @@ def test_two_ranks_under_the_local_executor_byte_identical_to_one(tmp_path: Path
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pretrain_trains_on_a_weighted_blend_through_the_cli(tmp_path: Path) -> None:
-    import subprocess
-    import sys
+    from test_e2e import run_pipeline
 
     for f in range(2):
         (tmp_path / f"c{f}.jsonl").write_text(
             "".join(json.dumps({"text": t}) + "\n" for t in docs(300, f, f"f{f}"))
         )
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "experiment=tiny",
-            "cluster=debug",
-            f"run.root={tmp_path / 'runs'}",
-            "run.stages=[data_prep,pretrain]",
-            "data.corpus=sources",
-            "pretrain.iters=3",
-            f"data.sources=[{{path: {tmp_path / 'c0.jsonl'}, weight: 3}}, {{path: {tmp_path / 'c1.jsonl'}}}]",
-        ],
-        cwd=Path(__file__).resolve().parent.parent,
-        capture_output=True,
-        text=True,
+    r = run_pipeline(
+        "experiment=tiny",
+        "cluster=debug",
+        f"run.root={tmp_path / 'runs'}",
+        "run.stages=[data_prep,pretrain]",
+        "data.corpus=sources",
+        "pretrain.iters=3",
+        f"data.sources=[{{path: {tmp_path / 'c0.jsonl'}, weight: 3}}, {{path: {tmp_path / 'c1.jsonl'}}}]",
         timeout=500,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

@@ -91,28 +91,21 @@ def test_reward_model_and_export_stages_through_the_cli(tmp_path: Path) -> None:
     rewarded by verifier + reward model (rlhf.reward=both), and export (the last step: a verified Hugging
     Face directory of the rlhf model, recorded in the ledger)."""
     import json
-    import subprocess
+
+    from test_e2e import run_pipeline
 
     from pipeline.ledger import Ledger
 
     stages = "[data_prep,pretrain,sft,reward_model,rlhf,eval,export]"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "experiment=tiny",
-            "cluster=debug",
-            f"run.root={tmp_path}",
-            f"run.stages={stages}",
-            "eval.models=[sft]",
-            "rlhf=grpo",
-            "rlhf.reward=both",
-            *LLAMA,
-        ],
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
+    r = run_pipeline(
+        "experiment=tiny",
+        "cluster=debug",
+        f"run.root={tmp_path}",
+        f"run.stages={stages}",
+        "eval.models=[sft]",
+        "rlhf=grpo",
+        "rlhf.reward=both",
+        *LLAMA,
         timeout=1100,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
