@@ -916,13 +916,14 @@ def load_latest(
     when nothing failed before it, is verified before it loads (None when it is bad: a clean fresh start),
     and when every candidate failed after such a load this raises ``CheckpointError`` naming them.
     """
-    below, failed = None, []
-    while (path := find_latest(ckpt_root, mode="sizes", below=below)) is not None:
+    failed: list[str] = []
+    path = find_latest(ckpt_root, mode="sizes")
+    while path is not None:
         iteration = int(_ITER_DIR.match(path.name).group(1))  # type: ignore[union-attr]
-        oldest = find_latest(ckpt_root, mode="sizes", below=iteration) is None
+        older = find_latest(ckpt_root, mode="sizes", below=iteration)  # the next candidate, if any
         if before_load is not None:
             before_load()
-        if oldest and not failed:
+        if older is None and not failed:
             if problems := verify_collective(path, _VERIFY_MODE):
                 _warn_skipped(path, problems)
                 return None
@@ -932,7 +933,7 @@ def load_latest(
         except CorruptCheckpoint as e:
             _warn_skipped(path, e.problems)
             failed.append(path.name)
-            below = iteration
+            path = older
     if failed:
         raise CheckpointError(
             f"{ckpt_root}: no checkpoint verifies ({', '.join(failed)} failed while loading); this process's "
