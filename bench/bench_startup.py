@@ -9,7 +9,9 @@ stages, the ``startup`` metrics record (job start -> first training step, and it
 the same script is the floor every training job pays: a fresh interpreter importing torch and megatron.core
 (``import floor``); the ratio is each training stage's time to its first step over that floor. With
 ``--compile-baseline`` each repetition also runs the graph with torch.compile kept in the jobs (as before
-``cpu_compat.skip_torch_compile``), interleaved, and the ratio of the end-to-end times is printed.
+``cpu_compat.skip_torch_compile``), interleaved, and the ratio of the end-to-end times is printed. With
+``--fresh-baseline`` each repetition also runs it with ``cluster.prefork=false`` (a fresh interpreter per
+rank, as before pipeline.prefork), interleaved, and prints that ratio.
 """
 
 from __future__ import annotations
@@ -74,14 +76,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run each repetition with TORCHDYNAMO_DISABLE=0 (torch.compile kept, as before) and print the ratio",
     )
+    p.add_argument(
+        "--fresh-baseline",
+        action="store_true",
+        help="also run each repetition with cluster.prefork=false (a fresh interpreter per rank) and print the ratio",
+    )
     p.add_argument("overrides", nargs="*", help="extra pipeline overrides")
     args = p.parse_args(argv)
-    floors, runs, baseline = [], [], []
+    floors, runs, baseline, fresh = [], [], [], []
     for _ in range(args.reps):
         floors.append(import_floor())
         runs.append(one_run(args.overrides))
         if args.compile_baseline:
             baseline.append(one_run(args.overrides, {**os.environ, "TORCHDYNAMO_DISABLE": "0"}))
+        if args.fresh_baseline:
+            fresh.append(one_run([*args.overrides, "cluster.prefork=false"]))
     floor = statistics.median(floors)
     total = statistics.median(r["total_s"] for r in runs)
     print(f"experiment=tiny end to end: {total:.1f} s (median of {args.reps}); import floor {floor:.2f} s")
@@ -101,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"({s['to_first_step_s'] / floor:.2f}x the import floor; {parts})"
             )
         print(line)
+    if fresh:
+        before = statistics.median(r["total_s"] for r in fresh)
+        print(
+            f"with a fresh interpreter per rank (cluster.prefork=false): {before:.1f} s; "
+            f"ratio prefork / fresh {total / before:.2f}"
+        )
     if baseline:
         before = statistics.median(r["total_s"] for r in baseline)
         print(

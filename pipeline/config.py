@@ -256,6 +256,8 @@ class ClusterConfig:
 
     executor: str = "local"
     """local (separate processes), debug (in-process) or slurm."""
+    prefork: bool = True
+    """local executor: fork each rank from one process that imported torch and megatron.core once per command (pipeline.prefork), instead of a fresh interpreter per job; false: a fresh interpreter per rank."""
     partition: str | None = None
     """SLURM partition."""
     account: str | None = None

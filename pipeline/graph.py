@@ -41,6 +41,9 @@ class Stage:
     reads: Reads | None = None
     """``reads(cfg, upstream) -> the upstream stages it reads under cfg`` (default: the non-optional ones,
     minus the weights' source when ``init_from`` is not ``auto``)."""
+    torch: bool = True
+    """Its job imports torch and megatron.core (with ``cluster.prefork`` its local ranks are forked from a
+    process that imported them: pipeline.prefork)."""
 
 
 def _rlhf_reads(cfg: Any, ups: tuple[str, ...]) -> tuple[str, ...]:
@@ -63,7 +66,7 @@ def _export_reads(cfg: Any, ups: tuple[str, ...]) -> tuple[str, ...]:
 
 
 REGISTRY: tuple[Stage, ...] = (
-    Stage("data_prep", (), section="DataPrepStage"),
+    Stage("data_prep", (), section="DataPrepStage", torch=False),
     Stage("pretrain", ("data_prep",), trains=True),
     Stage("sft", ("data_prep", "pretrain"), trains=True),
     Stage(

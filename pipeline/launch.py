@@ -118,8 +118,15 @@ def _code_setup(code_dir: Path) -> list[str]:
     ]
 
 
-def make_executor(cfg: PipelineConfig, stage: str, run_dir: Path, code_dir: Path | None = None) -> Any:
-    """The submitit executor for one stage, with its resources set."""
+def make_executor(
+    cfg: PipelineConfig,
+    stage: str,
+    run_dir: Path,
+    code_dir: Path | None = None,
+    python: str | None = None,
+) -> Any:
+    """The submitit executor for one stage, with its resources set (``python``: the local tasks' command
+    instead of this interpreter, e.g. a prefork relay)."""
     import submitit
 
     plan = stage_plan(cfg, stage)
@@ -129,10 +136,12 @@ def make_executor(cfg: PipelineConfig, stage: str, run_dir: Path, code_dir: Path
     if kind == "debug":
         return submitit.DebugExecutor(folder=folder)
     if kind == "local":
-        ex = submitit.LocalExecutor(folder=folder)
+        ex = submitit.LocalExecutor(folder=folder, python=python)
         # data_prep.launcher=mpi: one task, which runs mpiexec -n dp (stages.data_prep)
         tasks = 1 if stage == "data_prep" and cfg.data_prep.launcher == "mpi" else plan.world_size
         ex.update_parameters(timeout_min=timeout, tasks_per_node=tasks, nodes=1)
+        if plan.gpus_per_node:  # else submitit's controller hides every GPU (CUDA_VISIBLE_DEVICES="")
+            ex.update_parameters(gpus_per_node=plan.gpus_per_node)
         return ex
     slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=cfg.cluster.max_requeues)
     slurm.update_parameters(**slurm_parameters(cfg, stage, plan, code_dir))
@@ -252,21 +261,26 @@ def end_local_job() -> None:
 
     submitit's local controller waits for every task: a frozen rank (SIGSTOP, a deadlock) would keep the
     job, and the command following it, waiting forever. The siblings are the controller's other children
-    carrying this job's id (``SUBMITIT_LOCAL_JOB_ID``); SIGKILL also ends a stopped process.
+    carrying this job's id (``SUBMITIT_LOCAL_JOB_ID``); SIGKILL also ends a stopped process. With
+    ``cluster.prefork`` those children are the ranks' relays: a signal to one is forwarded to its rank, and
+    its rank is killed with it (pipeline.prefork).
     """
     import psutil
+
+    from pipeline.prefork import RELAY_ENV
 
     job = os.environ.get("SUBMITIT_LOCAL_JOB_ID")
     if not job:
         return
+    me = int(os.environ.get(RELAY_ENV) or os.getpid())  # a forked rank: its relay is the controller's child
     try:
-        siblings = psutil.Process(os.getppid()).children()
-    except psutil.Error:
+        siblings = psutil.Process(me).parent().children()  # type: ignore[union-attr]
+    except (psutil.Error, AttributeError):
         return
     mine = []
     for proc in siblings:
         try:
-            if proc.pid != os.getpid() and proc.environ().get("SUBMITIT_LOCAL_JOB_ID") == job:
+            if proc.pid != me and proc.environ().get("SUBMITIT_LOCAL_JOB_ID") == job:
                 mine.append(proc)
         except psutil.Error:
             continue

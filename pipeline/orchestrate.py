@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 from pipeline import progress
 from pipeline.config import PipelineConfig, run_dir_for, stage_hashes
-from pipeline.graph import dependencies, order, required
+from pipeline.graph import SPECS, dependencies, order, required
 from pipeline.launch import free_port, make_executor, mark_submitted, run_stage, sbatch_script, stage_out_dir
 from pipeline.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, STOPPED, Ledger, StageRecord
 from pipeline.plan import stage_plan
@@ -119,13 +119,31 @@ def execute(cfg: PipelineConfig, *, out: TextIO | None = None) -> int:
                     file=out,
                 )
             raise
-    for s in d.submit:
-        _run_one_local(cfg, s, run_dir, ledger, out)
+    server = _start_prefork(cfg, run_dir, d.submit)
+    try:
+        for s in d.submit:
+            python = server.python if server and SPECS[s].torch else None
+            _run_one_local(cfg, s, run_dir, ledger, out, python=python)
+    finally:
+        if server:
+            server.close()
     return summarize(cfg, run_dir, out)
 
 
-def _run_one_local(cfg: PipelineConfig, stage: str, run_dir: Path, ledger: Ledger, out: TextIO) -> None:
-    ex = make_executor(cfg, stage, run_dir)
+def _start_prefork(cfg: PipelineConfig, run_dir: Path, stages: list[str]) -> Any:
+    if cfg.cluster.executor != "local" or not cfg.cluster.prefork:
+        return None
+    if not any(SPECS[s].torch for s in stages):  # data_prep alone: nothing to import ahead
+        return None
+    from pipeline import prefork
+
+    return prefork.start(run_dir / "jobs" / "prefork.log")
+
+
+def _run_one_local(
+    cfg: PipelineConfig, stage: str, run_dir: Path, ledger: Ledger, out: TextIO, python: str | None = None
+) -> None:
+    ex = make_executor(cfg, stage, run_dir, python=python)
     port = free_port()
     mark_submitted(cfg, ledger, stage, cfg.cluster.executor)
     job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), port)

@@ -249,10 +249,15 @@ def test_a_stopped_rank_on_the_local_executor_ends_the_job(data_root: Path, tmp_
         _wait_for("training", lambda: _progress(root) >= 2)
         led = Ledger(run_dir(root)).read("pretrain")
         assert led is not None
-        controller = psutil.Process(int(led.job_ids[0]))
-        ranks = controller.children()
+        job = led.job_ids[0]
+        # the ranks (cluster.prefork: forked by the prefork server, named job<controller pid>.r<rank>;
+        # the controller's children are their relays)
+        ranks = [
+            p for p in psutil.process_iter(["name"]) if p.info["name"] in (f"job{job}.r0", f"job{job}.r1")
+        ]
         assert len(ranks) == 2, ranks
-        frozen = next(p for p in ranks if p.environ().get("SUBMITIT_LOCAL_GLOBALID") == "1")
+        frozen = next(p for p in ranks if p.info["name"] == f"job{job}.r1")
+        ranks += psutil.Process(int(job)).children()
         frozen.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
         rc = cmd.wait(timeout=hang_s + 120)  # the hang timeout plus a margin for a loaded machine

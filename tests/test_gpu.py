@@ -45,7 +45,15 @@ def train(tmp: Path, precision: str, iters: int, **model: Any) -> list[dict[str,
 @pytest.mark.timeout(900)
 def test_tiny_graph_end_to_end_on_cuda_through_the_local_executor(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "pipeline", "experiment=tiny", f"run.root={tmp_path}"],
+        # gpus_per_node: the local controller makes that many GPUs visible to the ranks (else none)
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "experiment=tiny",
+            "cluster.gpus_per_node=1",
+            f"run.root={tmp_path}",
+        ],
         capture_output=True,
         text=True,
         timeout=880,

@@ -95,6 +95,16 @@ def import_megatron() -> None:
                 del sys.modules[name]
 
 
+def prepare_imports() -> None:
+    """What a job does before it touches megatron: torch.compile off on CPU, megatron.core imported (as
+    ``import_megatron``), the CPU workarounds installed. Also run by a prefork server (pipeline.prefork)."""
+    from stages.engine import cpu_compat
+
+    cpu_compat.skip_torch_compile()
+    import_megatron()
+    cpu_compat.install()
+
+
 def _compile_or_identity(real: Any) -> Any:
     """torch.compile's result under TORCHDYNAMO_DISABLE=1 (the function itself), without importing dynamo."""
 
@@ -136,11 +146,7 @@ def init(
             world_size=env.world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-    from stages.engine import cpu_compat
-
-    cpu_compat.skip_torch_compile()
-    import_megatron()
-    cpu_compat.install()
+    prepare_imports()
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
