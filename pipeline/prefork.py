@@ -431,6 +431,8 @@ def _run_module(argv: list[str]) -> int:
 def _main(argv: list[str]) -> None:
     if len(argv) >= 2 and argv[0] == "serve":
         serve(argv[1])
+        sys.stdout.flush()
+        os._exit(0)  # nothing left to clean up: skip tearing down torch (the command waits for this exit)
     elif len(argv) >= 2 and argv[0] == "relay":
         relay(argv[1], argv[2:])
     else:
