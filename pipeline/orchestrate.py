@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from pipeline import progress
+from pipeline import prefork, progress
 from pipeline.config import PipelineConfig, run_dir_for, stage_hashes
 from pipeline.graph import SPECS, dependencies, order, required
 from pipeline.launch import free_port, make_executor, mark_submitted, run_stage, sbatch_script, stage_out_dir
@@ -130,13 +130,11 @@ def execute(cfg: PipelineConfig, *, out: TextIO | None = None) -> int:
     return summarize(cfg, run_dir, out)
 
 
-def _start_prefork(cfg: PipelineConfig, run_dir: Path, stages: list[str]) -> Any:
+def _start_prefork(cfg: PipelineConfig, run_dir: Path, stages: list[str]) -> prefork.Server | None:
     if cfg.cluster.executor != "local" or not cfg.cluster.prefork:
         return None
     if not any(SPECS[s].torch for s in stages):  # data_prep alone: nothing to import ahead
         return None
-    from pipeline import prefork
-
     return prefork.start(run_dir / "jobs" / "prefork.log")
 
 
