@@ -127,7 +127,7 @@ class Server:
             self.socket_path.parent.rmdir()
 
 
-def start(log: Path, env: dict[str, str] | None = None) -> Server:
+def start(log: Path) -> Server:
     """Start a server (it imports in the background; relays that connect meanwhile wait for it)."""
     sock = Path(tempfile.mkdtemp(prefix="pipeline-prefork-")) / "sock"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +137,7 @@ def start(log: Path, env: dict[str, str] | None = None) -> Server:
             stdin=subprocess.PIPE,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=env if env is not None else task_env(),
+            env=task_env(),
         )
     deadline = time.monotonic() + 30.0
     while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -369,16 +369,15 @@ def _become(request: dict[str, Any], fds: list[int], relay_pid: int, server: int
     if os.getppid() != server:
         os._exit(1)  # the server died between the fork and the prctl
     os.setpgid(0, 0)
-    for sig in (signal.SIGINT,):
-        signal.signal(sig, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it
     for i, fd in enumerate(fds):
         os.dup2(fd, i)
         os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    env = request["env"]
     os.environ[RELAY_ENV] = str(relay_pid)
+    env = request["env"]
     name = f"job{env.get('SUBMITIT_LOCAL_JOB_ID', '')}.r{env.get('SUBMITIT_LOCAL_GLOBALID', '')}"
     libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
     _reseed()
