@@ -1,6 +1,6 @@
 """The engine's training path against a nanoGPT-style plain PyTorch GPT that uses SDPA, at two shapes.
 
-    python bench/bench_attention.py [--reps 5] [--steps 12] [--warmup 3] [--shapes demo,4.4x]
+    python bench/bench_attention.py [--reps 7] [--steps 12] [--warmup 3] [--shapes demo,4.4x]
 
 Engine: stages.engine (megatron GPTModel, local layer spec, megatron DDP + optimizer, ``Trainer.train_step``;
 bench/bench_throughput.py's ``engine_worker``) with ``model.attention_backend=sdpa`` (the default) and, for
@@ -11,7 +11,8 @@ embeddings, torch AdamW, gradient clipping), the same micro batches, the same th
 Shapes: ``demo`` = the default run's model (4 layers, hidden 128, 4 heads, seq 128, micro batch 8, global
 16); ``4.4x`` = 6 layers, hidden 256 (4.4x the parameters). Each repetition runs every variant once in a
 fresh process, in turn (interleaved, so slow phases of other load hit all of them); each run reports its
-median step time; the figure is the median over repetitions. Prints tokens/s and the ratio engine / plain.
+median step time; the figure is the median over repetitions. Prints tokens/s, the ratio engine / plain of
+the medians, and the median (min, max) of the per-repetition ratios (each pair of runs ran back to back).
 """
 
 from __future__ import annotations
@@ -123,9 +124,19 @@ def run_once(variant: str, shape: str, args: argparse.Namespace) -> tuple[float,
     return tokens / statistics.median(result["step_times"]), tokens / statistics.median(result["cpu_times"])
 
 
+def _paired(engine: list[float], plain: list[float]) -> list[float]:
+    """engine / nanoGPT of each repetition (the runs right next to each other: a slow phase of other load
+    hits both sides of a pair, and cancels in its ratio)."""
+    return [e / p for e, p in zip(engine, plain, strict=True)]
+
+
+def _spread(ratios: list[float]) -> str:
+    return f"median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median)")
+    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions (median)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per run (median)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -149,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                 per_cpu[variant].append(cpu)
         med = {v: statistics.median(x) for v, x in seen.items()}
         cpu_med = {v: statistics.median(x) for v, x in per_cpu.items()}
-        figures[shape] = {"tok_s": med, "tok_per_cpu_s": cpu_med, "runs": seen}
+        paired = {v: _paired(seen[v], seen["nanogpt"]) for v in VARIANTS[1:]}
+        figures[shape] = {"tok_s": med, "tok_per_cpu_s": cpu_med, "runs": seen, "paired": paired}
         print(
             f"{shape:>5} ({m['num_layers']} layers, hidden {m['hidden_size']}, seq {m['seq_length']}, "
             f"batch {args.global_batch}/{args.micro_batch}, {args.threads} threads, median of {args.reps}): "
@@ -157,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             f"(ratio {med['engine-sdpa'] / med['nanogpt']:.3f}), engine unfused {med['engine-unfused']:,.0f} "
             f"(ratio {med['engine-unfused'] / med['nanogpt']:.3f}); per CPU second: sdpa "
             f"{cpu_med['engine-sdpa'] / cpu_med['nanogpt']:.3f}, unfused "
-            f"{cpu_med['engine-unfused'] / cpu_med['nanogpt']:.3f}",
+            f"{cpu_med['engine-unfused'] / cpu_med['nanogpt']:.3f}; paired per repetition: sdpa "
+            f"{_spread(paired['engine-sdpa'])}, unfused {_spread(paired['engine-unfused'])}",
             flush=True,
         )
     if args.json:

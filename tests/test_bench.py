@@ -1,4 +1,5 @@
-"""bench/bench_throughput.py: the plain-PyTorch comparator has the engine model's shape, and the GPU part runs."""
+"""bench/bench_throughput.py: the plain-PyTorch comparator has the engine model's shape, and the GPU part runs;
+bench/bench_attention.py prints its ratios against nanoGPT."""
 
 from __future__ import annotations
 
@@ -38,6 +39,19 @@ def test_cpu_bench_prints_the_single_rank_ratio(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "1 rank" in r.stdout and "ratio" in r.stdout
     assert json.loads(out.read_text())["single_rank"]["ratio"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_attention_bench_prints_ratios_and_paired_ratios(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    args = ["--reps", "2", "--steps", "1", "--warmup", "1", "--shapes", "demo", "--json", str(out)]
+    bench = BENCH.parent / "bench_attention.py"
+    r = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=560)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "ratio" in r.stdout and "paired per repetition: sdpa median" in r.stdout, r.stdout
+    demo = json.loads(out.read_text())["demo"]
+    assert len(demo["paired"]["engine-sdpa"]) == 2 and min(demo["paired"]["engine-sdpa"]) > 0, demo
 
 
 @pytest.mark.gpu

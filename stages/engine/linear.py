@@ -5,9 +5,10 @@ megatron runs every linear through its own autograd function (``LinearWithGradAc
 besides the product - no tensor-parallel all-reduce of the input gradient, no sequence parallel, no fused
 gradient accumulation into ``main_grad``, no deferred embedding wgrad - ``F.linear`` computes the same thing
 (forward ``x W^T + b``, gradients ``g W``, ``g^T x``, ``sum g``) with the bias folded into the GEMM (``addmm``)
-and autograd's C++ backward. A ``skip_bias_add`` linear (MLP fc1, attention proj, MLP fc2) on one
-tensor-parallel rank adds its bias inside the GEMM too and returns None as its bias; megatron's MLP and
-bias-dropout-add then skip their own ``+ bias``. Measured at the 4.4x shape of bench/bench_attention.py
+and autograd's C++ backward. On one tensor-parallel rank ``forward`` itself is ``F.linear(x, W, b), None``
+(no identity region-copy autograd function before the qkv and fc1 GEMMs); a ``skip_bias_add`` linear (MLP
+fc1, attention proj, MLP fc2) then adds its bias inside the GEMM too and returns None as its bias, and
+megatron's MLP and bias-dropout-add skip their own ``+ bias``. Measured at the 4.4x shape of bench/bench_attention.py
 (torch.profiler, one thread): the separate bias adds and the Python autograd function were ~2% of a training
 step on CPU.
 
@@ -37,21 +38,22 @@ def _plain(kwargs: dict[str, Any]) -> bool:
 
 
 def _fold(linear: Any) -> bool:
-    """Whether a ``skip_bias_add`` linear can add its bias inside the GEMM and return None as its bias.
+    """Whether ``forward`` can be ``F.linear(x, W, b), None`` for this linear (bias inside the GEMM).
 
-    Only on one tensor-parallel rank (a row-parallel bias is added after the all-reduce) and where nothing
-    downstream needs the bias apart: megatron's MLP and bias-dropout-add add a returned bias themselves,
+    Only on one tensor-parallel rank (megatron's region copies and reductions are identities there; a
+    row-parallel bias is added after the all-reduce) and without sequence parallel, fused gradient
+    accumulation, expert communication, CPU offloading or deferred embedding wgrad. A ``skip_bias_add``
+    linear hands its bias back apart; megatron's MLP and bias-dropout-add add a returned bias themselves,
     except the fused bias-activation kernels (``bias_activation_fusion``), which take it separately.
     """
     config = linear.config
     return (
-        linear.skip_bias_add
-        and linear.bias is not None
-        and linear.tp_group.size() == 1
+        linear.tp_group.size() == 1
         and not (
             linear.sequence_parallel or linear.gradient_accumulation_fusion or linear.explicit_expert_comm
         )
-        and not (config.bias_activation_fusion or config.defer_embedding_wgrad_compute)
+        and not (linear.skip_bias_add and linear.bias is not None and config.bias_activation_fusion)
+        and not config.defer_embedding_wgrad_compute
         and config._cpu_offloading_context is None
     )
 
@@ -60,7 +62,7 @@ class ColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
     """megatron's ColumnParallelLinear; ``F.linear`` where its linear function is a plain product (tp=1)."""
 
     def forward(self, input_: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> Any:
-        if weight is None and _fold(self):  # MLP fc1: bias in the GEMM, not a separate add before GELU
+        if weight is None and _fold(self):  # qkv, MLP fc1: no region copy, bias in the GEMM (not before GELU)
             return F.linear(input_, self.weight, self.bias), None
         return super().forward(input_, weight, runtime_gather_output)
 

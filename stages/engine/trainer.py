@@ -74,6 +74,7 @@ def build_optimizer(chunks: list[Any], stage: TrainStage, par: ParallelConfig) -
     from megatron.core.utils import get_model_config
 
     get_model_config(chunks[0]).grad_scale_func = optimizer.scale_loss
+    fuse_cpu_adam(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -88,6 +89,39 @@ def build_optimizer(chunks: list[Any], stage: TrainStage, par: ParallelConfig) -
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def fuse_cpu_adam(optimizer: Any) -> int:
+    """Switch megatron's torch AdamW fallback (no TE, no apex) to torch's fused kernel where its params are on CPU.
+
+    Without TE or apex megatron builds ``torch.optim.AdamW`` with torch's default for CPU parameters, a Python
+    loop over parameters of about ten tensor ops each; ``fused=True`` runs one C++ kernel per parameter with
+    the same update (equal within fp32 rounding). Measured with the 4.4x shape's 5.8M parameters, 2 threads:
+    9.4 ms -> 2.6 ms per step. GPU parameters keep torch's default. The flag lives in the param groups, which a
+    checkpoint's ``load_state_dict`` replaces, so a load post-hook sets it again. Returns the number of
+    torch optimizers switched.
+    """
+    switched = 0
+    for inner in _torch_optimizers(optimizer):
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or any(
+            p.device.type != "cpu" for g in inner.param_groups for p in g["params"]
+        ):
+            continue
+        _set_fused(inner)
+        inner.register_load_state_dict_post_hook(_set_fused)
+        switched += 1
+    return switched
+
+
+def _torch_optimizers(optimizer: Any) -> list[Any]:
+    chained = getattr(optimizer, "chained_optimizers", None)
+    return [getattr(o, "optimizer", None) for o in (chained if chained is not None else [optimizer])]
+
+
+def _set_fused(inner: Any) -> None:
+    for group in inner.param_groups:
+        if not group.get("differentiable"):
+            group["foreach"], group["fused"] = False, True
 
 
 # ---------------------------------------------------------------------------- data
@@ -409,7 +443,8 @@ class Trainer:
         applied, grad_norm = False, None
         for batches in updates:
             for chunk in self.chunks:
-                chunk.train()
+                if not chunk.training:  # eval() / generation set the root's mode; train() walks every module
+                    chunk.train()
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
             with self.meter.time("fwd_bwd"):
@@ -444,9 +479,11 @@ class Trainer:
         when it reports inf/NaN. We wrap it for this call: after it, the grad norm (reduced over the model
         and distributed-optimizer groups, as megatron's clipping computes it) and the local losses are
         judged, the verdict is max-reduced over all ranks, and a bad verdict is reported as inf/NaN found.
+        The norm judged is the one the step clips with: ``get_grad_norm`` answers it for the rest of the call
+        (megatron's chained optimizer would compute it a second time).
         """
         optimizer, verdict = self.optimizer, {}
-        prepare = optimizer.prepare_grads
+        prepare, grad_norm = optimizer.prepare_grads, optimizer.get_grad_norm
 
         def judged_prepare() -> bool:
             found_inf = bool(prepare())  # fp16 only, agreed over ranks: inf/NaN in the scaled gradients
@@ -457,16 +494,19 @@ class Trainer:
                 else:  # a non-finite loss is a bad step in every precision: nan_policy applies
                     verdict.update(judged)
                 return True
-            verdict.update(self._judge(outputs, float(optimizer.get_grad_norm())))
+            norm = float(grad_norm())
+            optimizer.get_grad_norm = lambda: norm
+            verdict.update(self._judge(outputs, norm))
             return verdict.get("reason") is not None
 
         optimizer.prepare_grads = judged_prepare
         try:
-            ok, grad_norm, _ = optimizer.step()
+            ok, norm, _ = optimizer.step()
         finally:
             del optimizer.prepare_grads
+            optimizer.__dict__.pop("get_grad_norm", None)
         self.verdict = verdict or None
-        return ok, grad_norm if grad_norm is not None else verdict.get("grad_norm")
+        return ok, norm if norm is not None else verdict.get("grad_norm")
 
     def _judge(self, outputs: Sequence[dict[str, torch.Tensor]], grad_norm: float) -> dict[str, Any]:
         loss_finite = all(bool(torch.isfinite(v[0])) for out in outputs for v in out.values())
