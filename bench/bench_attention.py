@@ -1,6 +1,6 @@
 """The engine's training path against a nanoGPT-style plain PyTorch GPT that uses SDPA, at two shapes.
 
-    python bench/bench_attention.py [--reps 7] [--steps 12] [--warmup 3] [--shapes demo,4.4x]
+    python bench/bench_attention.py [--reps 7] [--steps 16] [--warmup 3] [--shapes demo,4.4x]
 
 Engine: stages.engine (megatron GPTModel, local layer spec, megatron DDP + optimizer, ``Trainer.train_step``;
 bench/bench_throughput.py's ``engine_worker``) with ``model.attention_backend=sdpa`` (the default) and, for
@@ -10,7 +10,8 @@ embeddings, torch AdamW, gradient clipping), the same micro batches, the same th
 
 Shapes: ``demo`` = the default run's model (4 layers, hidden 128, 4 heads, seq 128, micro batch 8, global
 16); ``4.4x`` = 6 layers, hidden 256 (4.4x the parameters). Each repetition runs every variant once in a
-fresh process, in turn (interleaved, so slow phases of other load hit all of them); each run reports its
+fresh process, in turn, in reversed order every other repetition (interleaved, so slow phases of other load
+hit all of them, and a drift or the order favours none); each run reports its
 median step time; the figure is the median over repetitions. Prints tokens/s, the ratio engine / plain of
 the medians, and the median (min, max) of the per-repetition ratios (each pair of runs ran back to back).
 """
@@ -137,7 +138,7 @@ def _spread(ratios: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=7, help="interleaved repetitions (median)")
-    p.add_argument("--steps", type=int, default=12, help="timed steps per run (median)")
+    p.add_argument("--steps", type=int, default=16, help="timed steps per run (median)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=16)
@@ -153,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         m = SHAPES[shape]
         seen: dict[str, list[float]] = {v: [] for v in VARIANTS}
         per_cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for _ in range(args.reps):
-            for variant in VARIANTS:
+        for rep in range(args.reps):
+            for variant in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
                 wall, cpu = run_once(variant, shape, args)
                 seen[variant].append(wall)
                 per_cpu[variant].append(cpu)

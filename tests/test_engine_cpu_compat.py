@@ -110,3 +110,17 @@ def test_install_patches_and_uninstall_restores() -> None:
         [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_logits_max_by_amax_equals_megatrons() -> None:
+    """The speed patch of the cross entropy's maximum returns megatron's values exactly (also for inf/NaN)."""
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+    logits = torch.randn(16, 4, 257, dtype=torch.bfloat16)
+    logits[0, 0, 3], logits[1, 2, 7], logits[2, 1, :] = float("inf"), float("nan"), float("-inf")
+    ref_logits, ref_max = VocabParallelCrossEntropy.calculate_logits_max(logits)
+    got_logits, got_max = cpu_compat._logits_max(logits)
+    assert got_logits.dtype == ref_logits.dtype == torch.float32
+    torch.testing.assert_close(got_logits, ref_logits, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got_max, ref_max, rtol=0, atol=0, equal_nan=True)
+    assert got_max.isnan().any() and got_max.isinf().any()

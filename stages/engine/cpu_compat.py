@@ -2,8 +2,9 @@
 
 megatron-core assumes CUDA in a few dozen places (``torch.cuda.current_device()`` as a device,
 ``device="cuda"`` literals, ``torch.cuda.synchronize()``, the CUDA RNG tracker, type checks against
-``'torch.cuda.FloatTensor'``). ``install()`` patches exactly the symbols in ``PATCHES`` and does nothing
-when CUDA is available. Call it in each rank after ``init_process_group("gloo")`` (stages.engine.distributed
+``'torch.cuda.FloatTensor'``), plus one CPU speed-up with the same results (the cross entropy's logits
+maximum by ``amax``). ``install()`` patches exactly the symbols in ``PATCHES`` and does nothing when CUDA
+is available. Call it in each rank after ``init_process_group("gloo")`` (stages.engine.distributed
 does). ``tests/test_engine_cpu_compat.py`` checks every entry of ``PATCHES`` against the installed
 torch/megatron: a symbol that disappears or whose parameters change fails the test loudly.
 
@@ -89,6 +90,16 @@ def _set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool =
     torch.set_rng_state(new_state)
 
 
+def _logits_max(vocab_parallel_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron's cross-entropy ``calculate_logits_max`` with ``amax``: the same values, no argmax indices.
+
+    ``torch.max(x, dim=-1)[0]`` computes the indices too: on CPU 1.05 ms against 0.30 ms for ``amax`` on the
+    [1024, 4096] logits of bench/bench_attention.py's micro batch (2 threads), once per micro batch.
+    """
+    vocab_parallel_logits = vocab_parallel_logits.float()
+    return vocab_parallel_logits, torch.amax(vocab_parallel_logits, dim=-1)
+
+
 @dataclass(frozen=True)
 class Patch:
     """One patched symbol: ``owner.name`` is replaced by ``make(original)``."""
@@ -133,6 +144,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch("torch.Tensor", "to", None, _tensor_to),
     Patch("torch.Tensor", "cuda", None, lambda o: lambda self, *a, **k: self),
     Patch("torch.Tensor", "type", None, _tensor_type),
+    Patch(
+        "megatron.core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy",
+        "calculate_logits_max",
+        ("vocab_parallel_logits",),
+        lambda o: staticmethod(_logits_max),
+    ),
 )
 
 _ORIGINALS: dict[tuple[str, str], Any] = {}
