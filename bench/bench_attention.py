@@ -1,6 +1,6 @@
 """The engine's training path against a nanoGPT-style plain PyTorch GPT that uses SDPA, at two shapes.
 
-    python bench/bench_attention.py [--reps 7] [--steps 16] [--warmup 3] [--shapes demo,4.4x]
+    python bench/bench_attention.py [--reps 7] [--steps 16] [--warmup 3] [--shapes demo,4.4x] [--same-process]
 
 Engine: stages.engine (megatron GPTModel, local layer spec, megatron DDP + optimizer, ``Trainer.train_step``;
 bench/bench_throughput.py's ``engine_worker``) with ``model.attention_backend=sdpa`` (the default) and, for
@@ -14,6 +14,9 @@ fresh process, in turn, in reversed order every other repetition (interleaved, s
 hit all of them, and a drift or the order favours none); each run reports its
 median step time; the figure is the median over repetitions. Prints tokens/s, the ratio engine / plain of
 the medians, and the median (min, max) of the per-repetition ratios (each pair of runs ran back to back).
+``--same-process``: also, per shape, ``--reps`` fresh processes that each run the engine's step and
+nanoGPT's in turn, step by step (nanoGPT then runs in the engine's process: megatron imported, its process
+groups, the CPU compatibility layer): the ratio of the two training paths alone.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +82,9 @@ class NanoGPT(nn.Module):
         return (nll * mask.reshape(-1)).sum()
 
 
-def nanogpt_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    from bench_throughput import _micro_batches, _timed
+def nanogpt_step(spec: dict[str, Any]) -> Any:
+    """One training step of the nanoGPT-style model (AdamW, clipping) on the engine's batches: ``step(i)``."""
+    from bench_throughput import _micro_batches
 
     from stages.engine.synthetic import SyntheticSource
 
@@ -99,18 +104,40 @@ def nanogpt_worker(spec: dict[str, Any]) -> dict[str, Any]:
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-    return _timed(step, spec)
+    return step
 
 
-def run_once(variant: str, shape: str, args: argparse.Namespace) -> tuple[float, float]:
-    """Tokens per second and per CPU second (median step of one fresh process) of ``variant`` at ``shape``."""
-    from engine_worker import launch
+def nanogpt_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    from bench_throughput import _timed
 
-    model = dict(SHAPES[shape])
-    if variant.startswith("engine-"):
-        model["attention_backend"] = variant.removeprefix("engine-")
-    spec = {
-        "mode": "nanogpt" if variant == "nanogpt" else "engine",
+    return _timed(nanogpt_step(spec), spec)
+
+
+def same_process_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """The engine's step and nanoGPT's in one process, alternating step by step (the order swapped every
+    step): both run in the engine's process (megatron imported, its groups, the CPU layer), so the ratio
+    is that of the two training paths alone, without what differs between the processes."""
+    from bench_throughput import engine_trainer
+
+    from stages.engine import distributed as D
+
+    try:
+        steps = {"engine": engine_trainer(spec).train_step, "nanogpt": nanogpt_step(spec)}
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for i in range(spec["warmup"] + spec["steps"]):
+            for name in list(steps) if i % 2 == 0 else list(steps)[::-1]:
+                t0 = time.perf_counter()
+                steps[name](i)
+                if i >= spec["warmup"]:
+                    times[name].append(time.perf_counter() - t0)
+        return times
+    finally:
+        D.shutdown()
+
+
+def _spec(mode: str, model: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "mode": mode,
         "model": model,
         "parallel": {"micro_batch_size": args.micro_batch, "global_batch_size": args.global_batch},
         "global_batch": args.global_batch,
@@ -119,10 +146,35 @@ def run_once(variant: str, shape: str, args: argparse.Namespace) -> tuple[float,
         "warmup": args.warmup,
         "steps": args.steps,
     }
-    with tempfile.TemporaryDirectory(prefix=f"bench-{variant}-") as tmp:
-        result = launch(1, spec, Path(tmp), timeout_s=600, script=Path(__file__))
+
+
+def _launch(spec: dict[str, Any]) -> dict[str, Any]:
+    from engine_worker import launch
+
+    with tempfile.TemporaryDirectory(prefix=f"bench-{spec['mode']}-") as tmp:
+        return launch(1, spec, Path(tmp), timeout_s=600, script=Path(__file__))
+
+
+def run_once(variant: str, shape: str, args: argparse.Namespace) -> tuple[float, float]:
+    """Tokens per second and per CPU second (median step of one fresh process) of ``variant`` at ``shape``."""
+    model = dict(SHAPES[shape])
+    if variant.startswith("engine-"):
+        model["attention_backend"] = variant.removeprefix("engine-")
+    result = _launch(_spec("nanogpt" if variant == "nanogpt" else "engine", model, args))
     tokens = args.global_batch * model["seq_length"]
     return tokens / statistics.median(result["step_times"]), tokens / statistics.median(result["cpu_times"])
+
+
+def same_process(shape: str, args: argparse.Namespace) -> list[float]:
+    """Prints and returns nanoGPT's / the engine's median step time of ``args.reps`` fresh processes, each
+    running both steps in turn (``same_process_worker``)."""
+    model = {**SHAPES[shape], "attention_backend": "sdpa"}
+    ratios = []
+    for _ in range(args.reps):
+        times = _launch(_spec("same-process", model, args))
+        ratios.append(statistics.median(times["nanogpt"]) / statistics.median(times["engine"]))
+    print(f"{shape:>5} same process, steps alternating: engine sdpa / nanoGPT {_spread(ratios)}", flush=True)
+    return ratios
 
 
 def _paired(engine: list[float], plain: list[float]) -> list[float]:
@@ -145,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--shapes", default="demo,4.4x")
     p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument(
+        "--same-process", action="store_true", help="also both steps in one process, alternating (per shape)"
+    )
     args = p.parse_args(argv)
     from bench_throughput import warn_if_busy
 
@@ -174,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{_spread(paired['engine-sdpa'])}, unfused {_spread(paired['engine-unfused'])}",
             flush=True,
         )
+        if args.same_process:
+            figures[shape]["same_process"] = same_process(shape, args)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     return 0
@@ -186,6 +243,8 @@ if __name__ == "__main__":
             from bench_throughput import engine_worker
 
             out = engine_worker(worker_spec)
+        elif worker_spec["mode"] == "same-process":
+            out = same_process_worker(worker_spec)
         else:
             out = nanogpt_worker(worker_spec)
         if int(os.environ.get("RANK", "0")) == 0:

@@ -160,8 +160,8 @@ def plain_worker(spec: dict[str, Any]) -> dict[str, Any]:
     return times
 
 
-def engine_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """The engine path: stages.engine's init, model, optimizer and Trainer.train_step on a synthetic source."""
+def engine_trainer(spec: dict[str, Any]) -> Any:
+    """stages.engine's init, model, optimizer and Trainer on a synthetic source (``D.shutdown()`` after use)."""
     from pipeline.config import ModelConfig, ParallelConfig, TrainStage
     from stages.engine import distributed as D
     from stages.engine.model import build_model
@@ -173,14 +173,21 @@ def engine_worker(spec: dict[str, Any]) -> dict[str, Any]:
     par = ParallelConfig(**spec["parallel"])
     stage = TrainStage(parallel=par, iters=1000, lr=1e-4, warmup_iters=0, threads=spec["threads"])
     D.init(par.tp, par.pp, par.vpp, seed=stage.seed, threads=stage.threads)
+    chunks = build_model(model, par, spec.get("vocab", VOCAB))
+    optimizer, scheduler = build_optimizer(chunks, stage, par)
+    source = SyntheticSource(64, spec.get("vocab", VOCAB), model.seq_length, seed=1)
+    return Trainer(
+        chunks, optimizer, scheduler, make_step("pretrain"), stage=stage, seq_length=model.seq_length,
+        train_source=source,
+    )  # fmt: skip
+
+
+def engine_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """The engine path: ``engine_trainer``'s ``Trainer.train_step``, timed."""
+    from stages.engine import distributed as D
+
     try:
-        chunks = build_model(model, par, spec.get("vocab", VOCAB))
-        optimizer, scheduler = build_optimizer(chunks, stage, par)
-        source = SyntheticSource(64, spec.get("vocab", VOCAB), model.seq_length, seed=1)
-        trainer = Trainer(
-            chunks, optimizer, scheduler, make_step("pretrain"), stage=stage, seq_length=model.seq_length,
-            train_source=source,
-        )  # fmt: skip
+        trainer = engine_trainer(spec)
         times = _timed(trainer.train_step, spec)
         loss = trainer.train_step(spec["warmup"] + spec["steps"])["loss"]
         out = {**times, "final_loss": loss}
