@@ -45,9 +45,20 @@ def test_cpu_bench_prints_the_single_rank_ratio(tmp_path: Path) -> None:
 @pytest.mark.timeout(600)
 def test_attention_bench_prints_ratios_and_paired_ratios(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
-    args = ["--reps", "2", "--steps", "2", "--warmup", "1", "--shapes", "demo", "--json", str(out)]
+    args = [
+        "--reps",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--shapes",
+        "demo",
+        "--same-process",
+        "--json",
+        str(out),
+    ]
     bench = BENCH.parent / "bench_attention.py"
-    args.append("--same-process")
     r = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=560)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "ratio" in r.stdout and "paired per repetition: sdpa median" in r.stdout, r.stdout

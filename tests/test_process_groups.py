@@ -26,7 +26,7 @@ def _run(world: int, tp: int, pp: int, share: bool, tmp: Path) -> dict[str, Any]
 
 @pytest.mark.dist
 @pytest.mark.parametrize(("world", "tp", "pp"), [(1, 1, 1), (4, 2, 1), (4, 1, 2)])
-def test_groups_with_the_same_ranks_share_one_process_group(
+def test_groups_spanning_the_world_are_the_default_group(
     world: int, tp: int, pp: int, tmp_path: Path
 ) -> None:
     shared = _run(world, tp, pp, True, tmp_path / "shared")
@@ -44,7 +44,7 @@ def test_groups_with_the_same_ranks_share_one_process_group(
 
 
 def _groups() -> dict[str, Any]:
-    """Every group megatron's parallel_state hands out without arguments (None where this rank has none)."""
+    """Every group megatron's parallel_state hands out without arguments (skipped where this rank has none)."""
     from megatron.core import parallel_state as ps
 
     out = {}

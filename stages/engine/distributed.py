@@ -151,7 +151,7 @@ def init(
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        with share_the_default_group(enabled=not cuda, world_timeout=timedelta(seconds=timeout_s)):
+        with share_the_default_group(world_timeout=timedelta(seconds=timeout_s)):
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=tp,
                 pipeline_model_parallel_size=pp,
@@ -162,9 +162,7 @@ def init(
 
 
 @contextmanager
-def share_the_default_group(
-    *, enabled: bool = True, world_timeout: timedelta | None = None
-) -> Iterator[None]:
+def share_the_default_group(*, world_timeout: timedelta) -> Iterator[None]:
     """While megatron builds its groups on gloo, let those that span the whole world be the default group.
 
     ``initialize_model_parallel`` asks for about 20 groups (data, tensor, pipeline, embedding, expert,
@@ -198,7 +196,7 @@ def share_the_default_group(
             return dist.group.WORLD
         return create(ranks, **kwargs)
 
-    if enabled and dist.get_backend() == "gloo":
+    if dist.get_backend() == "gloo":  # the CPU backend (init: nccl with CUDA)
         parallel_state.create_group = shared
     try:
         yield
