@@ -1,6 +1,7 @@
 """The engine's training path against a nanoGPT-style plain PyTorch GPT that uses SDPA, at two shapes.
 
     python bench/bench_attention.py [--reps 7] [--steps 16] [--warmup 3] [--shapes demo,4.4x] [--same-process]
+                                    [--side-by-side]
 
 Engine: stages.engine (megatron GPTModel, local layer spec, megatron DDP + optimizer, ``Trainer.train_step``;
 bench/bench_throughput.py's ``engine_worker``) with ``model.attention_backend=sdpa`` (the default) and, for
@@ -17,6 +18,10 @@ the medians, and the median (min, max) of the per-repetition ratios (each pair o
 ``--same-process``: also, per shape, ``--reps`` fresh processes that each run the engine's step and
 nanoGPT's in turn, step by step (nanoGPT then runs in the engine's process: megatron imported, its process
 groups, the CPU compatibility layer): the ratio of the two training paths alone.
+``--side-by-side``: also, per shape, ``--reps`` pairs of fresh processes, the engine's and nanoGPT's at the
+same time, one thread each, each pinned to a core of its own (swapped every other pair): both meet the
+same moments of other load on the host, so the ratio of each pair is steadier than that of runs in turn
+(needs two cores; per core, not the two-thread figure).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -148,11 +154,39 @@ def _spec(mode: str, model: dict[str, Any], args: argparse.Namespace) -> dict[st
     }
 
 
-def _launch(spec: dict[str, Any]) -> dict[str, Any]:
+def _launch(spec: dict[str, Any], extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     from engine_worker import launch
 
     with tempfile.TemporaryDirectory(prefix=f"bench-{spec['mode']}-") as tmp:
-        return launch(1, spec, Path(tmp), timeout_s=600, script=Path(__file__))
+        return launch(1, spec, Path(tmp), timeout_s=600, script=Path(__file__), extra_env=extra_env)
+
+
+def side_by_side(
+    a: dict[str, Any],
+    b: dict[str, Any],
+    rep: int,
+    env_a: dict[str, str] | None = None,
+    env_b: dict[str, str] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Worker specs ``a`` and ``b`` run at the same time, one thread each, pinned to cores 0 and 1 (1 and 0
+    when ``rep`` is odd); their results."""
+    cores = (0, 1) if rep % 2 == 0 else (1, 0)
+    specs = [{**a, "threads": 1, "cpu": cores[0]}, {**b, "threads": 1, "cpu": cores[1]}]
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(_launch, spec, env) for spec, env in zip(specs, (env_a, env_b), strict=True)]
+        first, second = (r.result() for r in runs)
+    return first, second
+
+
+def side_by_side_ratios(shape: str, args: argparse.Namespace) -> list[float]:
+    """Prints and returns engine sdpa / nanoGPT (tokens/s) of ``args.reps`` pairs run side by side."""
+    model = {**SHAPES[shape], "attention_backend": "sdpa"}
+    ratios = []
+    for rep in range(args.reps):
+        engine, plain = side_by_side(_spec("engine", model, args), _spec("nanogpt", model, args), rep)
+        ratios.append(statistics.median(plain["step_times"]) / statistics.median(engine["step_times"]))
+    print(f"{shape:>5} side by side, one core each: engine sdpa / nanoGPT {_spread(ratios)}", flush=True)
+    return ratios
 
 
 def run_once(variant: str, shape: str, args: argparse.Namespace) -> tuple[float, float]:
@@ -200,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--same-process", action="store_true", help="also both steps in one process, alternating (per shape)"
     )
+    p.add_argument(
+        "--side-by-side", action="store_true", help="also both at once, one pinned core each (per shape)"
+    )
     args = p.parse_args(argv)
     from bench_throughput import warn_if_busy
 
@@ -231,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.same_process:
             figures[shape]["same_process"] = same_process(shape, args)
+        if args.side_by_side:
+            figures[shape]["side_by_side"] = side_by_side_ratios(shape, args)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     return 0
@@ -239,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json") and Path(sys.argv[1]).is_file():
         worker_spec = json.loads(Path(sys.argv[1]).read_text())
+        if "cpu" in worker_spec:  # side by side: this process on its own core (before any thread starts)
+            os.sched_setaffinity(0, {worker_spec["cpu"]})
         if worker_spec["mode"] == "engine":
             from bench_throughput import engine_worker
 

@@ -26,11 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch(
-    world: int, spec: dict[str, Any], tmp: Path, timeout_s: float = 600, script: Path | None = None
+    world: int,
+    spec: dict[str, Any],
+    tmp: Path,
+    timeout_s: float = 600,
+    script: Path | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``world`` ranks of the worker and return rank 0's result (raises with the logs on failure).
 
-    ``script``: another worker taking ``SPEC.json`` the same way (default: this file).
+    ``script``: another worker taking ``SPEC.json`` the same way (default: this file). ``extra_env``: variables
+    added to each rank's environment.
     """
     sys.path.insert(0, str(ROOT))
     from stages.engine.distributed import free_port
@@ -52,6 +58,7 @@ def launch(
             "PYTHONPATH": str(ROOT),
             "OMP_NUM_THREADS": "1",
             "PYTHONWARNINGS": "ignore",
+            **(extra_env or {}),
         }
         log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115
         logs.append(log)

@@ -4,6 +4,7 @@ bench/bench_attention.py prints its ratios against nanoGPT."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,7 @@ def test_attention_bench_prints_ratios_and_paired_ratios(tmp_path: Path) -> None
         "--shapes",
         "demo",
         "--same-process",
+        "--side-by-side",
         "--json",
         str(out),
     ]
@@ -66,6 +68,20 @@ def test_attention_bench_prints_ratios_and_paired_ratios(tmp_path: Path) -> None
     assert len(demo["paired"]["engine-sdpa"]) == 2 and min(demo["paired"]["engine-sdpa"]) > 0, demo
     assert "same process, steps alternating: engine sdpa / nanoGPT median" in r.stdout, r.stdout
     assert len(demo["same_process"]) == 2 and min(demo["same_process"]) > 0, demo
+    assert "side by side, one core each: engine sdpa / nanoGPT median" in r.stdout, r.stdout
+    assert len(demo["side_by_side"]) == 2 and min(demo["side_by_side"]) > 0, demo
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="side by side needs two cores")
+def test_host_memory_bench_prints_the_pairs_and_their_faults() -> None:
+    bench = BENCH.parent / "bench_host_memory.py"
+    args = ["--reps", "1", "--steps", "2", "--warmup", "1", "--shapes", "demo"]
+    r = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=560)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    for pair in ("engine kept / engine default", "nanoGPT kept / nanoGPT default", "engine / nanoGPT"):
+        assert f"{pair}" in r.stdout and "minor faults per step" in r.stdout, r.stdout
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.jobenv import free_port  # noqa: F401  (re-exported: tests and workers pick ports here)
+from stages.engine import host_memory
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,8 @@ def init(
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(env.local_rank)
+    else:
+        host_memory.keep_freed_memory()
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if cuda else "gloo",
