@@ -42,11 +42,13 @@ def test_sdpa_equals_unfused_attention(tp: int, tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("tp", [1, 2])
-def test_local_linears_equal_megatrons(tp: int, tmp_path: Path) -> None:
-    """The local spec's F.linear fast path (stages.engine.linear) against megatron's linear function."""
-    out = _run(tp, {"tp": tp, "check": "linear"}, tmp_path)
-    assert out["fast_linears"] == 4 * 2  # qkv, proj, fc1, fc2 of both layers
+@pytest.mark.parametrize(("tp", "tie"), [(1, True), (2, True), (1, False)])
+def test_local_linears_equal_megatrons(tp: int, tie: bool, tmp_path: Path) -> None:
+    """The local spec's F.linear fast path (stages.engine.linear) against megatron's linear function, the
+    output layer's too (with the embedding's weight when tied, its own when not)."""
+    out = _run(tp, {"tp": tp, "tie": tie, "check": "linear"}, tmp_path)
+    assert out["fast_linears"] == 4 * 2 + 1  # qkv, proj, fc1, fc2 of both layers; the output layer
+    assert out["output_weight"] == ("tied" if tie else "own")
     assert out["loss_diff"] < TOL * out["loss_scale"], out
     assert out["grad_diff"] < TOL * out["grad_scale"], out
     assert out["loss_scale"] > 0 and out["grad_scale"] > 0
@@ -74,13 +76,13 @@ class _FakeTokenizer:
         return [[int(t) for t in text.split()] for text in texts]
 
 
-def _models(tp: int, position: str) -> dict[str, Any]:
+def _models(tp: int, position: str, tie: bool = True) -> dict[str, Any]:
     from pipeline.config import ModelConfig, ParallelConfig
     from stages.engine import distributed as D
     from stages.engine.model import build_model, unwrap
 
     base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2}
-    base |= {"seq_length": SEQ, "position_embedding": position}
+    base |= {"seq_length": SEQ, "position_embedding": position, "tie_embeddings": tie}
     models = {}
     for backend in ("unfused", "sdpa"):
         D.set_seed(1234)
@@ -122,7 +124,7 @@ def _attention(tp: int) -> dict[str, Any]:
     return out
 
 
-def _linear(tp: int) -> dict[str, Any]:
+def _linear(tp: int, tie: bool) -> dict[str, Any]:
     """Losses and gradients of one model with the local spec's linears, then with megatron's (same weights)."""
     import torch
 
@@ -130,8 +132,9 @@ def _linear(tp: int) -> dict[str, Any]:
     from stages.engine.model import unwrap
     from stages.engine.steps import _per_token_nll
 
-    model = _models(tp, "learned_absolute")["sdpa"]
+    model = _models(tp, "learned_absolute", tie)["sdpa"]
     fast = [m for m in model.modules() if type(m) in (linear.ColumnParallelLinear, linear.RowParallelLinear)]
+    output_weight = "own" if unwrap(model).output_layer.weight is not None else "tied"
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(4, VOCAB, (3, SEQ), generator=gen)
     labels = torch.randint(4, VOCAB, (3, SEQ), generator=gen)
@@ -146,6 +149,7 @@ def _linear(tp: int) -> dict[str, Any]:
             m.__class__ = type(m).__base__  # megatron's own class: its linear function
     return {
         "fast_linears": len(fast),
+        "output_weight": output_weight,
         "loss_diff": float((losses[0] - losses[1]).abs().max()),
         "loss_scale": float(losses[1].abs().max()),
         "grad_diff": float((grads[0] - grads[1]).abs().max()),
@@ -200,7 +204,7 @@ def run(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
     D.init(spec["tp"], 1, None, seed=1234, threads=1)
     try:
         if spec["check"] == "linear":
-            return _linear(spec["tp"])
+            return _linear(spec["tp"], spec["tie"])
         return _attention(spec["tp"]) if spec["check"] == "attention" else _packing(tmp)
     finally:
         D.shutdown()

@@ -103,7 +103,7 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from stages.engine.linear import use_in
+    from stages.engine.linear import use_for_output, use_in
 
     spec = get_gpt_layer_local_spec(normalization=model.normalization)
     _set_core_attention(spec, model.attention_backend)
@@ -122,6 +122,8 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
         rope_scaling_factor=model.rotary_scaling_factor,
         vp_stage=vp_stage,
     )
+    if attention_impl() == "local":
+        use_for_output(gpt)  # the logits' linear too (no spec reaches it)
     if model.rotary_scaling and model.position_embedding == "rope":
         _llama3_rope(gpt.rotary_pos_emb, model)
     return gpt
