@@ -161,6 +161,11 @@ def _launch(spec: dict[str, Any], extra_env: dict[str, str] | None = None) -> di
         return launch(1, spec, Path(tmp), timeout_s=600, script=Path(__file__), extra_env=extra_env)
 
 
+def two_cores() -> bool:
+    """Whether this process may run on two cores (``side_by_side`` pins one worker to each)."""
+    return len(os.sched_getaffinity(0)) >= 2
+
+
 def side_by_side(
     a: dict[str, Any],
     b: dict[str, Any],
@@ -168,9 +173,10 @@ def side_by_side(
     env_a: dict[str, str] | None = None,
     env_b: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Worker specs ``a`` and ``b`` run at the same time, one thread each, pinned to cores 0 and 1 (1 and 0
-    when ``rep`` is odd); their results."""
-    cores = (0, 1) if rep % 2 == 0 else (1, 0)
+    """Worker specs ``a`` and ``b`` run at the same time, one thread each, each pinned to one of the first two
+    cores this process may use (swapped when ``rep`` is odd); their results. Needs ``two_cores()``."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    cores = (first, second) if rep % 2 == 0 else (second, first)
     specs = [{**a, "threads": 1, "cpu": cores[0]}, {**b, "threads": 1, "cpu": cores[1]}]
     with ThreadPoolExecutor(2) as pool:
         runs = [pool.submit(_launch, spec, env) for spec, env in zip(specs, (env_a, env_b), strict=True)]
@@ -179,7 +185,11 @@ def side_by_side(
 
 
 def side_by_side_ratios(shape: str, args: argparse.Namespace) -> list[float]:
-    """Prints and returns engine sdpa / nanoGPT (tokens/s) of ``args.reps`` pairs run side by side."""
+    """Prints and returns engine sdpa / nanoGPT (tokens/s) of ``args.reps`` pairs run side by side (none, with
+    a line saying so, on fewer than two cores)."""
+    if not two_cores():
+        print(f"{shape:>5} side by side: needs two cores, this process may use one; skipped", flush=True)
+        return []
     model = {**SHAPES[shape], "attention_backend": "sdpa"}
     ratios = []
     for rep in range(args.reps):

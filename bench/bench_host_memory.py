@@ -15,7 +15,6 @@ the median minor page faults per step of each side. Needs two cores and glibc.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -61,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="4.4x")
     p.set_defaults(threads=1)  # bench_attention._spec's; side_by_side runs one thread a side
     args = p.parse_args(argv)
-    if not host_memory._glibc() or len(os.sched_getaffinity(0)) < 2:
+    from bench_attention import two_cores
+
+    if not host_memory._glibc() or not two_cores():
         print("bench_host_memory: needs glibc's malloc and two cores; skipped")
         return 0
     from bench_throughput import warn_if_busy

@@ -3,6 +3,7 @@ bench/bench_attention.py prints its ratios against nanoGPT."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -98,3 +99,16 @@ def test_gpu_llama_1b_bench_reports_mfu(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     gpu = json.loads(out.read_text())["gpu"]
     assert gpu["tokens_per_s"] > 0 and 0 < gpu["mfu"] < 1, gpu
+
+
+def test_side_by_side_on_one_core_says_it_is_skipped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On one usable core the side-by-side pairs are skipped with a line saying why (no worker is pinned to a
+    core it may not use)."""
+    import bench_attention
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    monkeypatch.setattr(bench_attention, "_launch", lambda *a, **k: pytest.fail("a worker was started"))
+    assert bench_attention.side_by_side_ratios("demo", argparse.Namespace(reps=2)) == []
+    assert "side by side: needs two cores" in capsys.readouterr().out
