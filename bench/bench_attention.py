@@ -231,14 +231,19 @@ def _spread(ratios: list[float]) -> str:
     return f"median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions (median)")
+def add_run_arguments(p: argparse.ArgumentParser, reps: int) -> None:
+    """The options ``_spec`` reads, ``--threads`` aside: repetitions, timed and warm-up steps, batch sizes."""
+    p.add_argument("--reps", type=int, default=reps, help="interleaved repetitions (median)")
     p.add_argument("--steps", type=int, default=16, help="timed steps per run (median)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=8)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_run_arguments(p, reps=7)
+    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--shapes", default="demo,4.4x")
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument(

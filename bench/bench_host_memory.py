@@ -51,18 +51,14 @@ def run_pair(pair: str, shape: str, rep: int, args: argparse.Namespace) -> tuple
 
 
 def main(argv: list[str] | None = None) -> int:
+    import bench_attention as BA
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median)")
-    p.add_argument("--steps", type=int, default=16, help="timed steps per run (median)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--micro-batch", type=int, default=8)
+    BA.add_run_arguments(p, reps=5)
     p.add_argument("--shapes", default="4.4x")
     p.set_defaults(threads=1)  # bench_attention._spec's; side_by_side runs one thread a side
     args = p.parse_args(argv)
-    from bench_attention import two_cores
-
-    if not host_memory._glibc() or not two_cores():
+    if not host_memory._glibc() or not BA.two_cores():
         print("bench_host_memory: needs glibc's malloc and two cores; skipped")
         return 0
     from bench_throughput import warn_if_busy
@@ -71,12 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         for pair in PAIRS:
             runs = [run_pair(pair, shape, rep, args) for rep in range(args.reps)]
-            ratios = [r[0] for r in runs]
             fa, fb = statistics.median(r[1] for r in runs), statistics.median(r[2] for r in runs)
             print(
-                f"{shape:>5} side by side, one core each, {args.reps} pairs: {pair} median "
-                f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
-                f"minor faults per step {fa:,.0f} / {fb:,.0f}",
+                f"{shape:>5} side by side, one core each, {args.reps} pairs: {pair} "
+                f"{BA._spread([r[0] for r in runs])}; minor faults per step {fa:,.0f} / {fb:,.0f}",
                 flush=True,
             )
     return 0
