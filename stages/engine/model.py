@@ -108,9 +108,10 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
     spec = get_gpt_layer_local_spec(normalization=model.normalization)
     _set_core_attention(spec, model.attention_backend)
     use_in(spec)  # F.linear where megatron's linear function is a plain product (stages/engine/linear.py)
+    chosen = layer_spec(spec)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec),
+        transformer_layer_spec=chosen,
         vocab_size=vocab_size,
         max_sequence_length=model.max_position_embeddings or model.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -122,8 +123,8 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
         rope_scaling_factor=model.rotary_scaling_factor,
         vp_stage=vp_stage,
     )
-    if attention_impl() == "local":
-        use_for_output(gpt)  # the logits' linear too (no spec reaches it)
+    if chosen is spec:  # the local spec: the logits' linear too (no spec reaches it)
+        use_for_output(gpt)
     if model.rotary_scaling and model.position_embedding == "rope":
         _llama3_rope(gpt.rotary_pos_emb, model)
     return gpt
