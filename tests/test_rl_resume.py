@@ -123,6 +123,17 @@ def test_grpo_writes_the_rl_metrics_and_learns_from_varied_rewards(baseline: tup
     assert any(m["clip_frac"] > 0 or m["kl"] > 0 for m in train[1:]), train
 
 
+def first_divergence(want: list[dict], got: list[dict]) -> str:
+    """The first train line (by step, each attempt's) whose losses differ from the baseline's: where to look."""
+    keys = ("loss", "reward_mean", "kl", "value_loss", "grad_norm")
+    ref = {m["step"]: m for m in want if m["kind"] == "train"}
+    for m in (m for m in got if m["kind"] == "train"):
+        diff = {k: (m.get(k), ref[m["step"]].get(k)) for k in keys if m.get(k) != ref[m["step"]].get(k)}
+        if diff:
+            return f"first at step {m['step']} (got, baseline): {diff}"
+    return "no train line differs"
+
+
 def _wait_for(what: str, cond: object, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -163,11 +174,11 @@ def test_grpo_killed_mid_run_resumes_bit_identical(
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     resumes = [m for m in metrics(root) if m["kind"] == "resume"]
     assert [(m["from_step"], m["steps_lost"]) for m in resumes] == [(2, 1)], resumes
-    final, _ = baseline
+    final, want = baseline
     got = final_tensors(root)
     assert got.keys() == final.keys()
     diff = [k for k in final if not torch.equal(final[k], got[k])]
-    assert not diff, f"tensors differ after the resume: {diff[:5]}"
+    assert not diff, f"tensors differ after the resume: {diff[:5]}; {first_divergence(want, metrics(root))}"
     # the policy moved away from the SFT weights it started from (so equality above means something)
     sft = load_tensors(run_dir(root) / "stages" / "sft" / "checkpoints" / "iter_0000060")
     moved = [k for k in sft if k in got and k.startswith("decoder") and not torch.equal(sft[k], got[k])]
@@ -231,8 +242,8 @@ def test_ppo_killed_mid_run_resumes_bit_identical(
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     resumes = [m for m in metrics(root) if m["kind"] == "resume"]
     assert [m["from_step"] for m in resumes] == [2], resumes
-    final, _, _ = ppo_baseline
+    final, want, _ = ppo_baseline
     got = final_tensors(root)
     assert got.keys() == final.keys()
     diff = [k for k in final if not torch.equal(final[k], got[k])]
-    assert not diff, f"tensors differ after the resume: {diff[:5]}"
+    assert not diff, f"tensors differ after the resume: {diff[:5]}; {first_divergence(want, metrics(root))}"

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.jobenv import free_port  # noqa: F401  (re-exported: tests and workers pick ports here)
-from stages.engine import host_memory
+from stages.engine import host_memory, vml
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,7 @@ def init(
         raise ValueError(
             f"parallel.tp x parallel.pp = {tp * pp}: does not divide WORLD_SIZE={env.world_size}"
         )
+    vml.warm()  # before any multi-threaded float op: MKL's first-call race (stages.engine.vml)
     torch.set_num_threads(threads)
     cuda = torch.cuda.is_available()
     if cuda:
