@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from stages.engine import vml
+from stages.engine.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBES = 10
@@ -44,6 +45,9 @@ print(int((first != second).sum()))
 
 def _probe(how: str) -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    # one rank on its own port, whatever job (torchrun, SLURM) the suite itself runs in
+    env |= {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(free_port())
     r = subprocess.run(
         [sys.executable, "-c", _PROBE, how], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
