@@ -3,7 +3,7 @@
     python bench/bench_attention.py [--reps 7] [--steps 16] [--warmup 3] [--shapes demo,4.4x] [--same-process]
                                     [--side-by-side]
 
-Engine: stages.engine (megatron GPTModel, local layer spec, megatron DDP + optimizer, ``Trainer.train_step``;
+Engine: engine (megatron GPTModel, local layer spec, megatron DDP + optimizer, ``Trainer.train_step``;
 bench/bench_throughput.py's ``engine_worker``) with ``model.attention_backend=sdpa`` (the default) and, for
 comparison, ``unfused`` (megatron's DotProductAttention). Plain: a GPT written the way nanoGPT writes it
 ([b, s, h] layout, one qkv linear, ``F.scaled_dot_product_attention(is_causal=True)``, GELU MLP, tied
@@ -92,7 +92,7 @@ def nanogpt_step(spec: dict[str, Any]) -> Any:
     """One training step of the nanoGPT-style model (AdamW, clipping) on the engine's batches: ``step(i)``."""
     from bench_throughput import _micro_batches
 
-    from stages.engine.synthetic import SyntheticSource
+    from engine.testing.synthetic import SyntheticSource
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(1234)
@@ -125,7 +125,7 @@ def same_process_worker(spec: dict[str, Any]) -> dict[str, Any]:
     is that of the two training paths alone, without what differs between the processes."""
     from bench_throughput import engine_trainer
 
-    from stages.engine import distributed as D
+    from engine.runtime import distributed as D
 
     try:
         steps = {"engine": engine_trainer(spec).train_step, "nanogpt": nanogpt_step(spec)}

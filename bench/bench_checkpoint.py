@@ -2,8 +2,8 @@
 
     python bench/bench_checkpoint.py [--repeats 3] [--models tiny,big] [--no-recover] [--slurm]
 
-Save / stall / load (one rank, a fresh process per model, through ``stages.engine.trainer.Checkpointer``
-and ``stages.engine.checkpoint`` as the trainer uses them; model and Adam state after one training step):
+Save / stall / load (one rank, a fresh process per model, through ``engine.train.trainer.Checkpointer``
+and ``engine.checkpoint.checkpointer`` as the trainer uses them; model and Adam state after one training step):
 
 - ``sync save``: wall time of a synchronous save (the training loop is blocked for all of it).
 - ``async stall``: the time the loop is blocked by an async save: the ``save`` call (state dict, fork of the
@@ -55,12 +55,12 @@ KILL_AT = 7
 
 def _engine(spec: dict[str, Any]) -> Any:
     """A one-rank Trainer with model, optimizer and a synthetic source, after one training step."""
-    from pipeline.config import ModelConfig, ParallelConfig, TrainStage
-    from stages.engine import distributed as D
-    from stages.engine.model import build_model
-    from stages.engine.steps import make_step
-    from stages.engine.synthetic import SyntheticSource
-    from stages.engine.trainer import Checkpointer, Trainer, build_optimizer
+    from engine.models.gpt import build_model
+    from engine.runtime import distributed as D
+    from engine.testing.synthetic import SyntheticSource
+    from engine.train.steps import make_step
+    from engine.train.trainer import Checkpointer, Trainer, build_optimizer
+    from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
 
     model = ModelConfig(**spec["model"])
     par = ParallelConfig(micro_batch_size=4, global_batch_size=8)
@@ -93,7 +93,7 @@ def _save(trainer: Any, step: int, async_save: bool) -> float:
 
 def _async_stall(trainer: Any, step: int) -> tuple[float, int]:
     """Blocked seconds of one async save (save call + committing finalize) and the steps trained meanwhile."""
-    from stages.engine import checkpoint
+    from engine.checkpoint import checkpointer as checkpoint
 
     ckpt = trainer.checkpointer
     stall, steps, committed = _save(trainer, step, async_save=True), 0, len(ckpt.finalize_seconds)
@@ -105,7 +105,7 @@ def _async_stall(trainer: Any, step: int) -> tuple[float, int]:
 
 
 def _load(trainer: Any) -> float:
-    from stages.engine import checkpoint
+    from engine.checkpoint import checkpointer as checkpoint
 
     latest = checkpoint.find_latest(trainer.checkpointer.root)
     t0 = time.perf_counter()
@@ -116,8 +116,8 @@ def _load(trainer: Any) -> float:
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    from stages.engine import distributed as D
-    from stages.engine.model import num_parameters
+    from engine.models.gpt import num_parameters
+    from engine.runtime import distributed as D
 
     trainer = _engine(spec)
     try:

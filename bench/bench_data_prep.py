@@ -30,9 +30,9 @@ WORDS = "the king queen sword crown night day love war peace river stone fire wi
 PREP = """
 import json, os, resource, sys, time
 from pathlib import Path
-from pipeline.config import from_dict
+from pipeline.schema.config import from_dict
 from stages import data_prep
-from stages.context import StageContext
+from engine.context import StageContext
 cfg = from_dict(json.loads(sys.argv[1])); out = Path(sys.argv[2])
 t = time.perf_counter()
 data_prep.main(cfg, StageContext(run_dir=out.parent, stage="data_prep", out_dir=out))
@@ -130,7 +130,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from pipeline.config import DataConfig, DataSource, PipelineConfig
+    from pipeline.schema.config import DataConfig, DataSource, PipelineConfig
     from stages import data_prep
 
     with tempfile.TemporaryDirectory() as tmp_s:

@@ -8,7 +8,7 @@ thread count; greedy decoding, so both paths must produce the same tokens (check
 
 Against ``transformers`` ``generate`` (CPU, ``--no-hf`` skips it): the model is Llama-shaped (RMSNorm, SwiGLU,
 RoPE, no biases), saved as a checkpoint and exported with the project's exporter
-(``stages.engine.convert.export.export``, which checks its logits against megatron's); transformers then
+(``engine.convert.export.export``, which checks its logits against megatron's); transformers then
 generates greedily from the same left-padded prompts with its KV cache, in a fresh process with the same
 thread count, exactly ``--new`` tokens each. Prints its tokens/s, the ratio engine (KV cache) / transformers,
 and the share of prompts whose greedy tokens are identical in both.
@@ -76,10 +76,10 @@ def main() -> None:
 
     import torch
 
-    from pipeline.config import ModelConfig, ParallelConfig
-    from stages.engine import distributed as D
-    from stages.engine.generate import SamplingParams, generate
-    from stages.engine.model import build_model
+    from engine.models.generate import SamplingParams, generate
+    from engine.models.gpt import build_model
+    from engine.runtime import distributed as D
+    from pipeline.schema.config import ModelConfig, ParallelConfig
 
     D.init(1, 1, seed=1, threads=args.threads)
     try:
@@ -136,11 +136,11 @@ def hf_generate(state: list[dict[str, Any]], prompts: list[list[int]], args: Any
     import subprocess
     import tempfile
 
-    from pipeline.config import ModelConfig, ParallelConfig
-    from stages.engine import checkpoint
-    from stages.engine import distributed as D
-    from stages.engine.convert.export import export
-    from stages.engine.model import build_model
+    from engine.checkpoint import checkpointer as checkpoint
+    from engine.convert.export import export
+    from engine.models.gpt import build_model
+    from engine.runtime import distributed as D
+    from pipeline.schema.config import ModelConfig, ParallelConfig
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

@@ -3,11 +3,11 @@
     python bench/bench_hf_io.py [--hidden 512] [--layers 8] [--vocab 32000] [--tp 2] [--pp 1]
 
 1. Builds a random Llama-style model with transformers (fp32, sharded safetensors) in a temp directory.
-2. Import: ``tp*pp`` ranks each build their model slice, then ``stages.engine.hf_weights.load_hf`` reads
+2. Import: ``tp*pp`` ranks each build their model slice, then ``engine.models.hf_weights.load_hf`` reads
    their own TP/PP slices from the shards. Per rank: its own shard (bytes of its parameters) and the extra
    peak RSS during the load (VmHWM after ``clear_refs`` minus the RSS before it), as ratios to its shard and
    to the whole model. The imported weights are saved as a dist checkpoint (under that layout).
-3. Export: ``stages.engine.convert.export``'s streamed writer (one tensor at a time from the checkpoint,
+3. Export: ``engine.convert.export``'s streamed writer (one tensor at a time from the checkpoint,
    shards of ``--shard-mb``) against a baseline in the same script that gathers the whole model first
    (a TP=1 megatron model loading the checkpoint, as the export did before streaming). Extra peak RSS of
    each, as a ratio to the model size. (The export's logit check runs in separate processes, not counted.)
@@ -50,12 +50,12 @@ def _peak() -> int:
 
 
 def worker_import(spec: dict[str, Any]) -> dict[str, Any]:
-    from pipeline.config import ParallelConfig
-    from pipeline.hf_arch import model_config
-    from stages.engine import checkpoint
-    from stages.engine import distributed as D
-    from stages.engine.hf_weights import load_hf
-    from stages.engine.model import build_model
+    from engine.checkpoint import checkpointer as checkpoint
+    from engine.models.gpt import build_model
+    from engine.models.hf_weights import load_hf
+    from engine.runtime import distributed as D
+    from pipeline.schema.config import ParallelConfig
+    from pipeline.schema.hf_arch import model_config
 
     hf = Path(spec["hf_dir"])
     model = model_config(hf, seq_length=32)
@@ -76,20 +76,20 @@ def worker_import(spec: dict[str, Any]) -> dict[str, Any]:
 def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from pipeline.hf_arch import model_config
-    from stages.engine.checkpoint import find_latest
+    from engine.checkpoint.checkpointer import find_latest
+    from pipeline.schema.hf_arch import model_config
 
     hf = Path(spec["hf_dir"])
     model = model_config(hf, seq_length=32)
     ckpt = find_latest(Path(spec["ckpt"]), collective=False)
     if spec["mode"] == "streamed":
-        from stages.engine.convert.export import (
+        from engine.convert.export import (
             checkpoint_tensors,
             iter_checkpoint_tensors,
             padded_vocab,
             write_shards,
         )
-        from stages.engine.hf_weights import to_hf_tensors
+        from engine.models.hf_weights import to_hf_tensors
 
         torch.set_num_threads(1)
         before = _reset_peak()
@@ -97,12 +97,12 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
         stream = to_hf_tensors(iter_checkpoint_tensors(ckpt, model), model, padded_vocab(meta))
         write_shards(stream, Path(spec["out"]), spec["shard_bytes"])
     else:  # baseline: the whole model gathered into one TP=1 megatron model, then written
-        from pipeline.config import ParallelConfig
-        from stages.engine import distributed as D
-        from stages.engine.checkpoint import load_weights
-        from stages.engine.convert.export import write_shards
-        from stages.engine.hf_weights import full_state_dict, to_hf_tensors
-        from stages.engine.model import build_model, unwrap
+        from engine.checkpoint.checkpointer import load_weights
+        from engine.convert.export import write_shards
+        from engine.models.gpt import build_model, unwrap
+        from engine.models.hf_weights import full_state_dict, to_hf_tensors
+        from engine.runtime import distributed as D
+        from pipeline.schema.config import ParallelConfig
 
         D.init(1, 1, None, seed=0, threads=1)
         try:
@@ -147,7 +147,7 @@ def build_model_dir(out: Path, hidden: int, layers: int, vocab: int) -> int:
 
 def run_ranks(mode: str, spec: dict[str, Any], world: int, tmp: Path) -> list[dict[str, Any]]:
     sys.path.insert(0, str(ROOT))
-    from stages.engine.distributed import free_port
+    from engine.runtime.distributed import free_port
 
     port = free_port()
     procs = []

@@ -1,4 +1,4 @@
-"""What keeping freed host memory (stages.engine.host_memory) gives a CPU training step: faults and speed.
+"""What keeping freed host memory (engine.runtime.host_memory) gives a CPU training step: faults and speed.
 
     python bench/bench_host_memory.py [--reps 5] [--steps 16] [--warmup 3] [--shapes 4.4x]
 
@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
-from stages.engine import host_memory  # noqa: E402
+from engine.runtime import host_memory  # noqa: E402
 
 GLIBC_DEFAULT = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
 """A malloc tunable at glibc's default value: the allocator is as glibc starts it, and the engine, seeing

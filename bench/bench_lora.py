@@ -37,12 +37,12 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import resource
     import time
 
-    from pipeline.config import ModelConfig, ParallelConfig, PeftConfig, TrainStage
-    from stages.engine import distributed as D
-    from stages.engine.model import build_model
-    from stages.engine.steps import make_step
-    from stages.engine.synthetic import SyntheticSource
-    from stages.engine.trainer import Trainer, build_optimizer
+    from engine.models.gpt import build_model
+    from engine.runtime import distributed as D
+    from engine.testing.synthetic import SyntheticSource
+    from engine.train.steps import make_step
+    from engine.train.trainer import Trainer, build_optimizer
+    from pipeline.schema.config import ModelConfig, ParallelConfig, PeftConfig, TrainStage
 
     model = ModelConfig(**MODELS[spec["model"]], activation="swiglu", normalization="RMSNorm")
     par = ParallelConfig(micro_batch_size=4, global_batch_size=8)
@@ -84,7 +84,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """One fresh process per measurement (its own peak RSS)."""
-    from stages.engine.distributed import free_port
+    from engine.runtime.distributed import free_port
 
     with tempfile.TemporaryDirectory() as d:
         spec = {

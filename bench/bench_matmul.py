@@ -4,7 +4,7 @@
 
 Times ``torch.mm`` of two ``size x size`` matrices (2 size^3 FLOPs each) after a warm-up and prints the best
 of ``--reps`` as TFLOP/s, next to a baseline run in the same script (a 4x smaller matrix, which bounds how
-far the big one is from its own compute limit) and to stages.engine.meter.CPU_PEAK_TFLOPS, the default
+far the big one is from its own compute limit) and to engine.train.meter.CPU_PEAK_TFLOPS, the default
 peak of one CPU rank (set cluster.peak_tflops to the figure printed here on another machine). With CUDA it
 also runs bf16 on the GPU.
 """
@@ -37,7 +37,7 @@ def tflops(size: int, dtype: str, device: str, reps: int) -> float:
 def main() -> None:
     import torch
 
-    from stages.engine.meter import CPU_PEAK_TFLOPS
+    from engine.train.meter import CPU_PEAK_TFLOPS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=int, default=1024)
@@ -53,7 +53,7 @@ def main() -> None:
         f"cpu {a.dtype} {a.threads} threads: {a.size}^3 {big:.4f} TFLOP/s  ratio {big / base:.2f}x baseline"
     )
     print(
-        f"stages.engine.meter.CPU_PEAK_TFLOPS = {CPU_PEAK_TFLOPS}: measured/default {big / CPU_PEAK_TFLOPS:.2f}"
+        f"engine.train.meter.CPU_PEAK_TFLOPS = {CPU_PEAK_TFLOPS}: measured/default {big / CPU_PEAK_TFLOPS:.2f}"
     )
     if torch.cuda.is_available():
         gpu = tflops(8192, "bfloat16", "cuda", a.reps)

@@ -32,8 +32,8 @@ sys.path[:0] = [str(ROOT)]
 
 
 def run_dir(overrides: list[str]) -> Path:
-    from pipeline.cli import load_trials
-    from pipeline.config import run_dir_for
+    from pipeline.cli.compose import load_trials
+    from pipeline.schema.config import run_dir_for
 
     return run_dir_for(load_trials(overrides, False)[0][1])
 
@@ -42,13 +42,13 @@ def score(run: Path, models: list[str], samples: int, temperature: float, thread
     """Greedy and sampled accuracy of each model's final checkpoint on the held-out task prompts."""
     import torch
 
-    from pipeline.cli import load_trials
+    from engine.checkpoint.checkpointer import find_latest, load_weights
+    from engine.data.datasets import load_tokenizer, read_jsonl
+    from engine.models.generate import SamplingParams, generate
+    from engine.models.gpt import build_model
+    from engine.runtime import distributed as D
+    from pipeline.cli.compose import load_trials
     from stages import tasks
-    from stages.engine import distributed as D
-    from stages.engine.checkpoint import find_latest, load_weights
-    from stages.engine.data import load_tokenizer, read_jsonl
-    from stages.engine.generate import SamplingParams, generate
-    from stages.engine.model import build_model
 
     data = run / "stages" / "data_prep"
     recs = read_jsonl(data / "eval_task.jsonl", ("prompt", "answer"))

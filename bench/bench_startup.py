@@ -11,7 +11,7 @@ the same script is the floor every training job pays: a fresh interpreter import
 ``--compile-baseline`` each repetition also runs the graph with torch.compile kept in the jobs (as before
 ``cpu_compat.skip_torch_compile``), interleaved, and the ratio of the end-to-end times is printed. With
 ``--fresh-baseline`` each repetition also runs it with ``cluster.prefork=false`` (a fresh interpreter per
-rank, as before pipeline.prefork), interleaved, and prints that ratio.
+rank, as before pipeline.submit.prefork), interleaved, and prints that ratio.
 """
 
 from __future__ import annotations

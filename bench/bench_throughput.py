@@ -2,7 +2,7 @@
 
     python bench/bench_throughput.py [--steps 20] [--warmup 3] [--rounds 2] [--no-dist] [--gpu-only] [--profile]
 
-Engine path: stages.engine (distributed init, megatron GPTModel with the local layer spec in megatron DDP,
+Engine path: engine (distributed init, megatron GPTModel with the local layer spec in megatron DDP,
 megatron optimizer, ``Trainer.train_step``: micro batches from a sample source through
 ``get_forward_backward_func``, optimizer step, LR schedule, metrics reduction). Plain path: a GPT of the
 same shapes written with torch.nn (attention as megatron's local DotProductAttention computes it:
@@ -16,7 +16,7 @@ a fresh process (the CPU compatibility layer patches torch process-wide, the pla
 
 With CUDA, the engine path also trains Llama shapes in bf16 on one GPU (``--gpu-models``: the 1B of
 conf/model/llama3.2-1b.yaml and the 3B, the largest that fits one H200 without the distributed optimizer;
-``--gpu-seqs`` 4096,8192) and prints tokens/s, TFLOP/s and MFU (pipeline.planner.step_flops against
+``--gpu-seqs`` 4096,8192) and prints tokens/s, TFLOP/s and MFU (pipeline.schema.estimates.step_flops against
 ``--peak-tflops``, 790: the H200's measured bf16 matmul peak) and, with ``--profile``, a torch profiler
 summary; without CUDA that part is skipped with a message.
 """
@@ -104,7 +104,7 @@ def _micro_batches(
     source: Any, spec: dict[str, Any], step: int, dp_rank: int, dp: int
 ) -> list[dict[str, Any]]:
     """The same global-sample-index slice the trainer takes, as CPU tensors."""
-    from stages.engine.data import collate, sample_range
+    from engine.data.datasets import collate, sample_range
 
     idx, mbs = sample_range(step, spec["global_batch"], dp_rank, dp), spec["micro_batch"]
     out = []
@@ -116,7 +116,7 @@ def _micro_batches(
 
 def _timed(run_step: Any, spec: dict[str, Any]) -> dict[str, list[float]]:
     """Wall and process CPU seconds and minor page faults of each step after the warm-up (CPU time is robust
-    to other load; faults show the allocator giving memory back and taking it again, stages.engine.host_memory)."""
+    to other load; faults show the allocator giving memory back and taking it again, engine.runtime.host_memory)."""
     import resource
 
     wall, cpu, faults = [], [], []
@@ -147,7 +147,7 @@ def plain_worker(spec: dict[str, Any]) -> dict[str, Any]:
         dist.init_process_group("gloo", init_method=addr, rank=rank, world_size=world)
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
-    from stages.engine.synthetic import SyntheticSource
+    from engine.testing.synthetic import SyntheticSource
 
     source = SyntheticSource(64, VOCAB, m["seq_length"], seed=1)
 
@@ -167,13 +167,13 @@ def plain_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def engine_trainer(spec: dict[str, Any]) -> Any:
-    """stages.engine's init, model, optimizer and Trainer on a synthetic source (``D.shutdown()`` after use)."""
-    from pipeline.config import ModelConfig, ParallelConfig, TrainStage
-    from stages.engine import distributed as D
-    from stages.engine.model import build_model
-    from stages.engine.steps import make_step
-    from stages.engine.synthetic import SyntheticSource
-    from stages.engine.trainer import Trainer, build_optimizer
+    """engine's init, model, optimizer and Trainer on a synthetic source (``D.shutdown()`` after use)."""
+    from engine.models.gpt import build_model
+    from engine.runtime import distributed as D
+    from engine.testing.synthetic import SyntheticSource
+    from engine.train.steps import make_step
+    from engine.train.trainer import Trainer, build_optimizer
+    from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
 
     model = ModelConfig(**spec["model"])
     par = ParallelConfig(**spec["parallel"])
@@ -190,7 +190,7 @@ def engine_trainer(spec: dict[str, Any]) -> Any:
 
 def engine_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """The engine path: ``engine_trainer``'s ``Trainer.train_step``, timed."""
-    from stages.engine import distributed as D
+    from engine.runtime import distributed as D
 
     try:
         trainer = engine_trainer(spec)
@@ -300,14 +300,14 @@ def gpu_llama(args: argparse.Namespace) -> dict[str, Any] | None:
     """Engine path on Llama shapes in bf16 on one GPU: tokens/s, TFLOP/s and MFU; None without CUDA.
 
     Each (shape, seq) is a fresh process; the global batch holds ``--gpu-tokens`` tokens (micro batch 1).
-    MFU = model FLOPs (pipeline.planner.step_flops) per second / ``--peak-tflops``.
+    MFU = model FLOPs (pipeline.schema.estimates.step_flops) per second / ``--peak-tflops``.
     """
     if not torch.cuda.is_available():
         print("GPU part skipped: CUDA is not available (Llama bf16 MFU needs a GPU)", flush=True)
         return None
-    from pipeline.config import ModelConfig
-    from pipeline.plan_cli import compose_config
-    from pipeline.planner import padded_vocab, step_flops
+    from pipeline.cli.plan import compose_config
+    from pipeline.schema.config import ModelConfig
+    from pipeline.schema.estimates import padded_vocab, step_flops
 
     base = compose_config(["model=llama3.2-1b"]).model
     peak = args.peak_tflops * 1e12

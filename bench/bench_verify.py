@@ -3,7 +3,7 @@
     python bench/bench_verify.py [--gb-per-rank 1.0] [--reps 3]
 
 Two gloo ranks each hold a tensor of ``--gb-per-rank`` GB (fp32, one shard per rank), saved once through
-``stages.engine.checkpoint.save`` (the real commit: checksums, marker with whole-file xxh3_128 and sampled
+``engine.checkpoint.checkpointer.save`` (the real commit: checksums, marker with whole-file xxh3_128 and sampled
 block hashes). Then, interleaved for ``--reps`` repetitions, the median of:
 
 - ``verify, rank 0 alone``: ``find_latest(collective=False)`` on rank 0, every file in turn, one thread (what a
@@ -45,8 +45,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from stages.engine import checkpoint as ck
-    from stages.engine import distributed as D
+    from engine.checkpoint import checkpointer as ck
+    from engine.runtime import distributed as D
 
     D.init(1, 1, None, seed=1, threads=1)
     rank, world = D.rank(), D.world_size()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.cli import EXIT_FAILED, EXIT_SUBMIT, HYDRA_FLAGS, help_text, load_trials, report
-from pipeline.config import ConfigError
+from pipeline.cli.compose import EXIT_FAILED, EXIT_SUBMIT, HYDRA_FLAGS, help_text, load_trials, report
+from pipeline.schema.config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         codes.append(_execute(cfg))
     roots = {cfg.run.root for _, cfg in runs}
     if multirun and len(runs) > 1 and len(roots) == 1:  # one report across the sweep's run directories
-        from pipeline.orchestrate import write_sweep_report
+        from pipeline.submit.orchestrate import write_sweep_report
 
         write_sweep_report(roots.pop())
     return max(codes, default=0)
 
 
 def _execute(cfg: object) -> int:
-    from pipeline.orchestrate import RunError, SubmitError, execute
+    from pipeline.submit.orchestrate import RunError, SubmitError, execute
 
     try:
         return execute(cfg)  # type: ignore[arg-type]
@@ -63,7 +63,7 @@ def _configure_logging(overrides: list[str]) -> None:
     """Python logging as Hydra's job_logging config says (conf/config.yaml: stdout)."""
     from hydra.core.utils import configure_log
 
-    from pipeline.config import compose
+    from pipeline.schema.config import compose
 
     cfg = compose(overrides, return_hydra_config=True)
     configure_log(cfg.hydra.job_logging, cfg.hydra.verbose)
@@ -74,9 +74,9 @@ def _hydra_main(args: list[str]) -> int:
     import hydra
     from omegaconf import DictConfig
 
-    from pipeline import hf_model
-    from pipeline.config import CONF_DIR, build_config, register_configs
-    from pipeline.preflight import preflight
+    from pipeline.schema import hf_model
+    from pipeline.schema.config import CONF_DIR, build_config, register_configs
+    from pipeline.submit.preflight import preflight
 
     codes: list[int] = []
 

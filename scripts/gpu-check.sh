@@ -79,7 +79,7 @@ else
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import megatron.core as m, torch; print('gpu-check: megatron-core', m.__version__)"
-"$PY" -c "from stages.engine.model import attention_impl; print('gpu-check: attention layer spec:', attention_impl())"
+"$PY" -c "from engine.models.gpt import attention_impl; print('gpu-check: attention layer spec:', attention_impl())"
 
 # ---------------------------------------------------------------- 3. the gpu tests
 say "gpu tests (budget left $(left) s)"

@@ -11,12 +11,12 @@ Steps (``main``):
    documents (``stages.tasks``) to the training side so they are ``data.task_mix_fraction`` of its
    documents. Validation stays natural text, so its perplexity is comparable across task mixes.
 3. Train a byte-level BPE (``data.vocab_size``) with HF ``tokenizers`` on the training documents, or
-   load ``data.tokenizer_path``. Special tokens come first, in ``stages.engine.data.SPECIAL_TOKENS``
+   load ``data.tokenizer_path``. Special tokens come first, in ``engine.data.datasets.SPECIAL_TOKENS``
    order; digits are pre-split one per token (``Digits(individual_digits=True)`` before ``ByteLevel``).
 4. Tokenize and write megatron indexed datasets ``text_train`` / ``text_valid`` (one document per
    entry, eod appended, uint16 when the vocabulary fits). Under ``mpiexec -n N`` (mpi4py, imported only
    then) every rank tokenizes a contiguous shard of the documents into its own indexed dataset and rank
-   0 concatenates the shards in rank order with ``IndexedWriter.add_index`` (stages/indexed.py); one rank goes
+   0 concatenates the shards in rank order with ``IndexedWriter.add_index`` (engine/data/indexed.py); one rank goes
    through the same code with a single shard, so the output is byte-identical for any N.
 5. Write ``sft_train.jsonl`` (with ``data.sft_noise``'s systematic errors, if any), ``pref_train.jsonl``,
    ``rl_train.jsonl`` (online RL's prompt stream: ``{prompt, answer}``, the checker's right answer),
@@ -51,12 +51,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pipeline.config import DataConfig, PipelineConfig
-from pipeline.fsio import atomic_write_bytes
-from pipeline.fsio import atomic_write_text as _atomic_write
+from engine.context import StageContext
+from engine.data.datasets import MANIFEST, SPECIAL_TOKENS, Tokenizer, hf_special_tokens, sha256_file
+from pipeline.records.files import atomic_write_bytes
+from pipeline.records.files import atomic_write_text as _atomic_write
+from pipeline.schema.config import DataConfig, PipelineConfig
 from stages import tasks
-from stages.context import StageContext
-from stages.engine.data import MANIFEST, SPECIAL_TOKENS, Tokenizer, hf_special_tokens, sha256_file
 
 DOC_CHARS = 4000
 """Target size of a document cut from a .txt/.md file (paragraphs are packed up to this size)."""
@@ -310,7 +310,7 @@ def train_tokenizer(docs: list[str], vocab_size: int) -> Any:
 
 def hf_tokenizer_dir(d: DataConfig) -> Path | None:
     """The directory of ``data.tokenizer_path`` when it is a Hugging Face tokenizer used unchanged (its
-    tokenizer_config.json names an eos token: stages.engine.data.hf_special_tokens), else None."""
+    tokenizer_config.json names an eos token: engine.data.datasets.hf_special_tokens), else None."""
     if d.tokenizer_path is None:
         return None
     p = Path(d.tokenizer_path)
@@ -406,7 +406,7 @@ def token_dtype(vocab_size: int) -> type[np.number]:
 
 def write_shard(tokenizer: Tokenizer, docs: list[str], prefix: Path, dtype: type[np.number]) -> int:
     """Tokenize ``docs`` into indexed dataset ``prefix``.bin/.idx (one entry per document, eod appended)."""
-    from stages.indexed import IndexedWriter  # megatron's format without importing megatron.core
+    from engine.data.indexed import IndexedWriter  # megatron's format without importing megatron.core
 
     builder = IndexedWriter(f"{prefix}.bin", dtype=dtype)
     total = 0
@@ -421,7 +421,7 @@ def write_shard(tokenizer: Tokenizer, docs: list[str], prefix: Path, dtype: type
 
 def merge_shards(shards: list[Path], prefix: Path, dtype: type[np.number]) -> None:
     """Concatenate shard datasets in order into ``prefix``.bin/.idx (temp names, then renamed)."""
-    from stages.indexed import IndexedWriter
+    from engine.data.indexed import IndexedWriter
 
     tmp = prefix.with_name(f".{prefix.name}.tmp")
     builder = IndexedWriter(f"{tmp}.bin", dtype=dtype)
@@ -644,7 +644,7 @@ def _run_under_mpiexec(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]
 
 def _mpi_rank_main(work: Path) -> None:
     """One rank started by ``_run_under_mpiexec``."""
-    from pipeline.config import from_dict
+    from pipeline.schema.config import from_dict
 
     cfg = from_dict(json.loads((work / "config.json").read_text()))
     a = json.loads((work / "context.json").read_text())
@@ -677,10 +677,10 @@ def _world(cfg: PipelineConfig, out: Path | None = None) -> _World:
 def prepare_sources(cfg: PipelineConfig, out: Path, world: _World) -> dict[str, Any]:
     """corpus=sources: units of work over every source, shards per unit (resumable), merge, blend, manifest.
 
-    See ``stages.engine.data_sources``. The scratch folder ``.shards-<key>`` is named by the data config and
+    See ``engine.data.sources``. The scratch folder ``.shards-<key>`` is named by the data config and
     the tokenizer, so a rerun after a kill keeps every finished shard and redoes only the others.
     """
-    from stages.engine import data_sources as ds
+    from engine.data import sources as ds
 
     d = cfg.data
     timings: dict[str, float] = {}
@@ -753,7 +753,7 @@ def _merge_sources(
     dtype: type[np.number],
     tok_json: str,
 ) -> dict[str, Any]:
-    from stages.engine import data_sources as ds
+    from engine.data import sources as ds
 
     d = cfg.data
     names = [ds.source_name(s, i) for i, s in enumerate(d.sources)]
@@ -869,7 +869,7 @@ CHAT_FILES = {
 
 def chat_template(d: DataConfig, tokenizer: Tokenizer) -> Any:
     """``data.chat_template`` compiled, with the tokenizer's own eos/bos tokens as template variables."""
-    from stages.engine import chat
+    from engine.data import chat
 
     return chat.ChatTemplate(
         chat.load_template(d.chat_template, d.tokenizer_path),
@@ -879,7 +879,7 @@ def chat_template(d: DataConfig, tokenizer: Tokenizer) -> Any:
 
 
 def write_chat_files(out: Path, d: DataConfig, tokenizer: Tokenizer | None = None) -> dict[str, int]:
-    """Render chat data with ``data.chat_template`` (stages.engine.chat).
+    """Render chat data with ``data.chat_template`` (engine.data.chat).
 
     Users' ``data.sft_paths`` / ``data.pref_paths`` become ``sft_chat.jsonl`` (``{"segments": [[text,
     trained], ...]}``) and ``pref_chat.jsonl`` (rendered ``{"prompt", "chosen", "rejected"}``). With a template
@@ -889,7 +889,7 @@ def write_chat_files(out: Path, d: DataConfig, tokenizer: Tokenizer | None = Non
     ``eval_pref_chat.jsonl``. The manifest names them (``sft_file``, ``pref_file``, ``eval_task_file``,
     ``eval_pref_file``); SFT, rlhf and eval then use them instead of the plain task files (still written).
     """
-    from stages.engine import chat
+    from engine.data import chat
 
     for name in CHAT_FILES.values():
         (out / name).unlink(missing_ok=True)
@@ -911,7 +911,7 @@ def write_chat_files(out: Path, d: DataConfig, tokenizer: Tokenizer | None = Non
     if not jobs:
         return counts
     if tokenizer is None:
-        from stages.engine.data import load_tokenizer
+        from engine.data.datasets import load_tokenizer
 
         tokenizer = load_tokenizer(out / "tokenizer.json")
     tpl = chat_template(d, tokenizer)

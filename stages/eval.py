@@ -47,10 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import PipelineConfig
-from pipeline.fsio import atomic_write_text
+from engine.context import MetricsWriter, StageContext
+from pipeline.records.files import atomic_write_text
+from pipeline.schema.config import PipelineConfig
 from stages import tasks
-from stages.context import MetricsWriter, StageContext
 
 RESULTS = "results.json"
 NUM_SAMPLES = 5
@@ -58,10 +58,10 @@ NUM_SAMPLES = 5
 
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
-    from stages.engine import distributed as D
-    from stages.engine.checkpoint import find_latest, load_weights
-    from stages.engine.data import load_tokenizer, read_manifest
-    from stages.engine.model import build_model
+    from engine.checkpoint.checkpointer import find_latest, load_weights
+    from engine.data.datasets import load_tokenizer, read_manifest
+    from engine.models.gpt import build_model
+    from engine.runtime import distributed as D
 
     if "data_prep" not in ctx.inputs:
         raise ValueError("eval: needs the data_prep stage's outputs (ctx.inputs['data_prep'])")
@@ -139,9 +139,9 @@ def _eval_reward_model(
     ctx: StageContext, cfg: PipelineConfig, tok: Any, sets: dict[str, Any], skipped: dict[str, str]
 ) -> dict[str, Any] | None:
     """The reward model's accuracy on the held-out pairs (r(chosen) > r(rejected)), when eval reads it."""
-    from pipeline.graph import required
-    from stages.engine.checkpoint import find_latest
-    from stages.engine.reward_model import RewardModel
+    from engine.checkpoint.checkpointer import find_latest
+    from engine.rl.reward_model import RewardModel
+    from pipeline.schema.graph import required
 
     if "reward_model" not in required("eval", cfg):
         return None
@@ -181,8 +181,8 @@ def _eval_reward_model(
 def _eval_hf(
     chunks: list[Any], ref: str, tok: Any, sets: dict[str, Any], cfg: PipelineConfig
 ) -> dict[str, Any]:
-    from pipeline.hf_arch import model_config, parse_ref
-    from stages.engine.hf_weights import load_hf
+    from engine.models.hf_weights import load_hf
+    from pipeline.schema.hf_arch import model_config, parse_ref
 
     hf_dir = parse_ref(ref) or Path(ref)
     load_hf(chunks, hf_dir, model_config(hf_dir))
@@ -193,7 +193,7 @@ def _eval_hf(
 
 
 def _load_sets(data: Path, tok: Any, cfg: PipelineConfig) -> dict[str, Any]:
-    from stages.engine.data import preference_source, read_jsonl, read_manifest, valid_source
+    from engine.data.datasets import preference_source, read_jsonl, read_manifest, valid_source
 
     ev, seq = cfg.eval, cfg.model.seq_length
     valid = valid_source(data / "text_valid", tok, seq, cfg.data.seed)  # None: no validation text
@@ -206,7 +206,7 @@ def _load_sets(data: Path, tok: Any, cfg: PipelineConfig) -> dict[str, Any]:
     for r in task:
         r["rendered"] = "eval_task_file" in manifest
     if "eval_pref_file" in manifest:
-        from stages.engine.chat import chat_preference_source
+        from engine.data.chat import chat_preference_source
 
         pref = chat_preference_source(data / manifest["eval_pref_file"], tok, seq, cfg.data.seed)
     else:
@@ -282,7 +282,7 @@ def _stack(items: list[dict[str, np.ndarray]]) -> dict[str, Any]:
     """Items stacked into a batch on the engine's device (where the model is)."""
     import torch
 
-    from stages.engine import distributed as D
+    from engine.runtime import distributed as D
 
     dev = D.device()
     return {k: torch.from_numpy(np.stack([x[k] for x in items])).to(dev) for k in items[0]}
@@ -310,10 +310,10 @@ def generate(
     already rendered with the run's chat template) up to a stop token (default eod; not included) or
     ``max_new_tokens``.
 
-    Batched, with the KV cache, on the model's device: the engine's generator (stages/engine/generate.py).
+    Batched, with the KV cache, on the model's device: the engine's generator (engine/models/generate.py).
     """
-    from stages.engine.generate import SamplingParams
-    from stages.engine.generate import generate as engine_generate
+    from engine.models.generate import SamplingParams
+    from engine.models.generate import generate as engine_generate
 
     ids = [tok.encode(p) if rendered else tok.prompt_ids(p) for p in prompts]
     seqs = [x[-(seq_length - max_new_tokens) :] for x in ids]

@@ -14,9 +14,9 @@ import subprocess
 import sys
 from typing import Any
 
-from pipeline.config import PipelineConfig
-from pipeline.graph import export_source
-from stages.context import StageContext
+from engine.context import StageContext
+from pipeline.schema.config import PipelineConfig
+from pipeline.schema.graph import export_source
 
 
 def command(cfg: PipelineConfig, ctx: StageContext) -> list[str]:

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import PipelineConfig, TrainStage
-from stages.context import StageContext
+from engine.context import StageContext
+from pipeline.schema.config import PipelineConfig, TrainStage
 
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
-    from stages.engine.run import data_dir, train_stage
-    from stages.engine.steps import make_step
+    from engine.run import data_dir, train_stage
+    from engine.train.steps import make_step
 
     def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
-        from stages.engine.data import valid_source
-        from stages.engine.data_sources import pretrain_train_source
+        from engine.data.datasets import valid_source
+        from engine.data.sources import pretrain_train_source
 
         d = data_dir(ctx)
         samples = st.iters * st.parallel.global_batch_size

@@ -2,26 +2,26 @@
 
 Starts from the SFT model (``reward_model.init_from: auto``; the head, which SFT has not, starts as drawn by its
 global name), trains on the same pairs DPO uses (users' ``data.pref_paths`` when given, else the generated
-``pref_train.jsonl``) with ``stages.engine.steps.RewardStep``, and validates on the held-out ``eval_pref.jsonl``
+``pref_train.jsonl``) with ``engine.train.steps.RewardStep``, and validates on the held-out ``eval_pref.jsonl``
 (``valid`` lines: loss and accuracy). Metrics per step: loss, accuracy, margin (r(chosen) - r(rejected)).
-The final checkpoint is what ``stages.engine.reward_model.RewardModel`` loads for RL and eval scores.
+The final checkpoint is what ``engine.rl.reward_model.RewardModel`` loads for RL and eval scores.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import PipelineConfig, TrainStage
-from stages.context import StageContext
+from engine.context import StageContext
+from pipeline.schema.config import PipelineConfig, TrainStage
 
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
-    from stages.engine.reward_model import HEAD
-    from stages.engine.run import data_dir, train_stage
-    from stages.engine.steps import make_step
+    from engine.models.reward import HEAD
+    from engine.run import data_dir, train_stage
+    from engine.train.steps import make_step
 
     def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
-        from stages.engine.data import preference_source
+        from engine.data.datasets import preference_source
 
         if ckpt.init_from is not None:  # the SFT weights without a head: the head keeps its drawn values
             _load_backbone(ckpt, chunks, (HEAD,))
@@ -34,19 +34,19 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
 
 def _preferences(d: Any, tokenizer: Any, seq_length: int, seed: int) -> Any:
     """Users' pairs (data.pref_paths, rendered by data_prep) when given, else the generated pref_train.jsonl."""
-    from stages.engine.data import preference_source, read_manifest
+    from engine.data.datasets import preference_source, read_manifest
 
     chat_file = read_manifest(d, verify=False).get("pref_file")
     if chat_file:
-        from stages.engine.chat import chat_preference_source
+        from engine.data.chat import chat_preference_source
 
         return chat_preference_source(d / chat_file, tokenizer, seq_length, seed)
     return preference_source(d / "pref_train.jsonl", tokenizer, seq_length, seed)
 
 
 def _load_backbone(ckpt: Any, chunks: list, fresh: tuple[str, ...]) -> None:
-    from pipeline.hf_arch import is_hf_dir
-    from stages.engine import checkpoint
+    from engine.checkpoint import checkpointer as checkpoint
+    from pipeline.schema.hf_arch import is_hf_dir
 
     if is_hf_dir(ckpt.init_from):  # a Hugging Face model: its loader fills the GPT's own weights only
         ckpt.load_init_weights(chunks)

@@ -1,16 +1,16 @@
 """RLHF of the SFT model: offline DPO, or online GRPO or PPO with generation in the loop (``rlhf.algorithm``).
 
-Both run on the engine's one loop through a training unit (stages.engine.units):
+Both run on the engine's one loop through a training unit (engine.train.units):
 
 - ``dpo``: the frozen reference (a frozen copy of the starting weights, ``init_from``) scores every
   preference pair the run will use, once, before training; the log-probs are cached in
   ``out_dir/reference_logps.npy`` so a resumed job reuses them, and the frozen copy is freed. The step
   then needs only the policy.
 - ``grpo``: per step, prompts from the task's prompt stream, ``group_size`` samples each from the policy
-  (stages.engine.generate), rewards from ``rlhf.reward`` (stages.engine.rewards), group-normalised
-  advantages, a clipped policy loss with a KL penalty to the frozen reference (stages.engine.rl).
+  (engine.models.generate), rewards from ``rlhf.reward`` (engine.rl.rewards), group-normalised
+  advantages, a clipped policy loss with a KL penalty to the frozen reference (engine.rl.algorithms).
 - ``ppo``: the same rollouts and rewards, plus a trained critic (the SFT model with a value head, its own
-  optimizer and checkpoint part): GAE advantages, clipped policy and value losses (stages.engine.rl).
+  optimizer and checkpoint part): GAE advantages, clipped policy and value losses (engine.rl.algorithms).
 """
 
 from __future__ import annotations
@@ -20,24 +20,24 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import PipelineConfig, TrainStage
-from pipeline.fsio import atomic_write
-from stages.context import StageContext
+from engine.context import StageContext
+from pipeline.records.files import atomic_write
+from pipeline.schema.config import PipelineConfig, TrainStage
 
 REFERENCE_FILE = "reference_logps.npy"
 
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
-    from stages.engine.run import train_stage
+    from engine.run import train_stage
 
     algorithm = cfg.rlhf.algorithm
     if algorithm == "dpo":
-        from stages.engine.steps import make_step
+        from engine.train.steps import make_step
 
         return train_stage(cfg, ctx, step=make_step("dpo", beta=cfg.rlhf.beta), unit=_dpo_unit)
+    from engine.rl import algorithms as rl
+    from engine.run import data_dir
     from stages import tasks
-    from stages.engine import rl
-    from stages.engine.run import data_dir
 
     def unit(env: Any) -> tuple[Any, None]:
         prompts, answers = task_prompts(data_dir(ctx))
@@ -51,8 +51,8 @@ def task_prompts(d: Path) -> tuple[list[str], list[str]]:
     """Online RL's prompt stream and each prompt's right answer: data_prep's ``rl_train.jsonl`` ({prompt,
     answer}) when it exists; else the prompts of ``sft_train.jsonl`` with the task checker's answer
     (stages.tasks.parse_prompt; the SFT response only for a prompt the task cannot parse)."""
+    from engine.data.datasets import read_jsonl
     from stages import tasks
-    from stages.engine.data import read_jsonl
 
     rl_file = d / "rl_train.jsonl"
     if rl_file.is_file():
@@ -70,7 +70,7 @@ def task_prompts(d: Path) -> tuple[list[str], list[str]]:
 
 def _reward_model(cfg: PipelineConfig, ctx: StageContext, env: Any) -> Any:
     """The reward_model stage's final checkpoint, frozen, in this stage's layout (``rlhf.reward=model|both``)."""
-    from stages.engine.reward_model import RewardModel
+    from engine.rl.reward_model import RewardModel
 
     if "reward_model" not in ctx.inputs:
         raise ValueError(f"rlhf.reward={cfg.rlhf.reward}: needs the reward_model stage's outputs")
@@ -88,9 +88,9 @@ def _reward_model(cfg: PipelineConfig, ctx: StageContext, env: Any) -> Any:
 
 
 def _dpo_unit(env: Any) -> tuple[Any, None]:
-    from stages.engine.run import data_dir
-    from stages.engine.trainer import WithReference
-    from stages.engine.units import TrainUnit
+    from engine.run import data_dir
+    from engine.train.trainer import WithReference
+    from engine.train.units import TrainUnit
 
     prefs = _preferences(data_dir(env.ctx), env.tokenizer, env.seq_length, env.stage.seed)
     ref = _reference(env.ctx.out_dir / REFERENCE_FILE, prefs, env)
@@ -99,11 +99,11 @@ def _dpo_unit(env: Any) -> tuple[Any, None]:
 
 def _preferences(d: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
     """Users' pairs (data.pref_paths, rendered by data_prep) when given, else the generated pref_train.jsonl."""
-    from stages.engine.data import preference_source, read_manifest
+    from engine.data.datasets import preference_source, read_manifest
 
     chat_file = read_manifest(d, verify=False).get("pref_file")
     if chat_file:
-        from stages.engine.chat import chat_preference_source
+        from engine.data.chat import chat_preference_source
 
         return chat_preference_source(d / chat_file, tokenizer, seq_length, seed)
     return preference_source(d / "pref_train.jsonl", tokenizer, seq_length, seed)
@@ -111,8 +111,8 @@ def _preferences(d: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
 
 def _reference(path: Path, prefs: Any, env: Any) -> np.ndarray:
     """Reference log-probs [iters * G, 2]: from the cache, or computed by a frozen copy of the init_from weights."""
-    from stages.engine import distributed as D
-    from stages.engine.trainer import reference_logps
+    from engine.runtime import distributed as D
+    from engine.train.trainer import reference_logps
 
     st: TrainStage = env.stage
     rows = st.iters * st.parallel.global_batch_size

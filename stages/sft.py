@@ -4,21 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import PipelineConfig, TrainStage
-from stages.context import StageContext
+from engine.context import StageContext
+from pipeline.schema.config import PipelineConfig, TrainStage
 
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
-    from stages.engine.run import data_dir, train_stage
-    from stages.engine.steps import make_step
+    from engine.run import data_dir, train_stage
+    from engine.train.steps import make_step
 
     def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
-        from stages.engine.data import read_manifest, sft_source, valid_source
+        from engine.data.datasets import read_manifest, sft_source, valid_source
 
         d = data_dir(ctx)
         chat_file = read_manifest(d, verify=False).get("sft_file")  # users' chat data (data.sft_paths)
         if chat_file:
-            from stages.engine.chat import chat_sft_source
+            from engine.data.chat import chat_sft_source
 
             train = chat_sft_source(d / chat_file, tokenizer, seq_length, st.seed)
         else:

@@ -6,7 +6,7 @@ Each run is a fresh process, so torch patches and megatron globals never leak be
 SPEC keys: model, parallel, stage (overrides of ModelConfig / ParallelConfig / TrainStage), step
 (pretrain | sft | dpo), samples (source size; = global batch for a repeated batch), vocab, save_weights /
 load_weights (a checkpoint root for the model weights only, every model chunk, written with
-stages.engine.checkpoint), ckpt (a checkpoint root: resume from it and save every ``save_interval``
+engine.checkpoint.checkpointer), ckpt (a checkpoint root: resume from it and save every ``save_interval``
 steps through the trainer's Checkpointer), save_interval, metrics (a metrics.jsonl path), out (result
 file of rank 0; set by launch), peft (a PeftConfig dict: LoRA), tensorboard (a TensorBoard log dir), raising_sink (add a sink that raises).
 """
@@ -39,7 +39,7 @@ def launch(
     added to each rank's environment.
     """
     sys.path.insert(0, str(ROOT))
-    from stages.engine.distributed import free_port
+    from engine.runtime.distributed import free_port
 
     tmp.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "out": str(tmp / "result.json")}
@@ -86,7 +86,7 @@ def launch(
 
 def _weights(chunks: list[Any], path: str, save: bool) -> None:
     """Save (as iteration 0) or load the weights of every model chunk under checkpoint root ``path``."""
-    from stages.engine import checkpoint
+    from engine.checkpoint import checkpointer as checkpoint
 
     if save:
         checkpoint.save(Path(path), 0, model_chunks=chunks, optimizer=None, scheduler=None, state={})
@@ -98,7 +98,7 @@ def _weights(chunks: list[Any], path: str, save: bool) -> None:
 
 
 def _checkpointer(spec: dict[str, Any]) -> Any:
-    from stages.engine.trainer import Checkpointer
+    from engine.train.trainer import Checkpointer
 
     if not spec.get("ckpt"):
         return None
@@ -107,7 +107,7 @@ def _checkpointer(spec: dict[str, Any]) -> Any:
 
 def _callbacks(spec: dict[str, Any]) -> Any:
     """``tensorboard``: a TensorBoard sink writing there; ``raising_sink``: a sink that raises at every hook."""
-    from stages.engine.callbacks import Callback, Callbacks
+    from engine.train.callback import Callback, Callbacks
 
     class Raising(Callback):
         def on_step_end(self, view: Any) -> None:
@@ -115,20 +115,20 @@ def _callbacks(spec: dict[str, Any]) -> Any:
 
     cbs: list[Any] = [Raising()] if spec.get("raising_sink") else []
     if spec.get("tensorboard"):
-        from stages.engine.callbacks.tensorboard import TensorBoard
+        from engine.callbacks.tensorboard import TensorBoard
 
         cbs.append(TensorBoard(Path(spec["tensorboard"])))
     return Callbacks(cbs) if cbs else None
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    from pipeline.config import ModelConfig, ParallelConfig, PeftConfig, TrainStage
-    from stages.context import MetricsWriter
-    from stages.engine import distributed as D
-    from stages.engine.model import build_model, model_config, num_parameters
-    from stages.engine.steps import make_step
-    from stages.engine.synthetic import SyntheticPreferenceSource, SyntheticSource
-    from stages.engine.trainer import Trainer, WithReference, build_optimizer, reference_logps
+    from engine.context import MetricsWriter
+    from engine.models.gpt import build_model, model_config, num_parameters
+    from engine.runtime import distributed as D
+    from engine.testing.synthetic import SyntheticPreferenceSource, SyntheticSource
+    from engine.train.steps import make_step
+    from engine.train.trainer import Trainer, WithReference, build_optimizer, reference_logps
+    from pipeline.schema.config import ModelConfig, ParallelConfig, PeftConfig, TrainStage
 
     model_cfg = ModelConfig(**spec.get("model", {}))
     par = ParallelConfig(**spec.get("parallel", {}))

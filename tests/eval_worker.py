@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    from pipeline.config import load_config
-    from pipeline.plan import stage_plan
+    from engine.context import StageContext
+    from pipeline.schema.config import load_config
+    from pipeline.schema.layout import stage_plan
     from stages import eval as eval_stage
-    from stages.context import StageContext
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     cfg = load_config(spec["overrides"])

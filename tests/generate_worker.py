@@ -16,10 +16,10 @@ from engine_worker import _weights  # noqa: E402
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    from pipeline.config import ModelConfig, ParallelConfig
-    from stages.engine import distributed as D
-    from stages.engine.generate import SamplingParams, generate
-    from stages.engine.model import build_model
+    from engine.models.generate import SamplingParams, generate
+    from engine.models.gpt import build_model
+    from engine.runtime import distributed as D
+    from pipeline.schema.config import ModelConfig, ParallelConfig
 
     model_cfg = ModelConfig(**spec.get("model", {}))
     par = ParallelConfig(**spec.get("parallel", {}))

@@ -53,11 +53,11 @@ def forward_logits(chunks: list[Any], tokens: Any, seq: int) -> Any:
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from pipeline.config import ParallelConfig
-    from pipeline.hf_arch import model_config
-    from stages.engine import distributed as D
-    from stages.engine.hf_weights import load_hf
-    from stages.engine.model import build_model
+    from engine.models.gpt import build_model
+    from engine.models.hf_weights import load_hf
+    from engine.runtime import distributed as D
+    from pipeline.schema.config import ParallelConfig
+    from pipeline.schema.hf_arch import model_config
 
     tokens = torch.tensor(spec["tokens"], dtype=torch.long)
     b, seq = tokens.shape
@@ -68,7 +68,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         chunks = build_model(model, par, model.vocab_size or 0)
         read = load_hf(chunks, Path(spec["hf_dir"]), model)
         if spec.get("save_weights"):
-            from stages.engine import checkpoint
+            from engine.checkpoint import checkpointer as checkpoint
 
             checkpoint.save(
                 Path(spec["save_weights"]), 0, model_chunks=chunks, optimizer=None, scheduler=None, state={}

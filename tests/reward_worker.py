@@ -55,13 +55,14 @@ class SeparablePairs:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    from pipeline.config import ModelConfig, ParallelConfig, TrainStage
-    from stages.engine import checkpoint
-    from stages.engine import distributed as D
-    from stages.engine.model import build_model
-    from stages.engine.reward_model import HEAD, RewardModel, build
-    from stages.engine.steps import make_step
-    from stages.engine.trainer import Checkpointer, Trainer, build_optimizer
+    from engine.checkpoint import checkpointer as checkpoint
+    from engine.models.gpt import build_model
+    from engine.models.reward import HEAD, build
+    from engine.rl.reward_model import RewardModel
+    from engine.runtime import distributed as D
+    from engine.train.steps import make_step
+    from engine.train.trainer import Checkpointer, Trainer, build_optimizer
+    from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
 
     model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ)
     par = ParallelConfig(**{"micro_batch_size": 4, "global_batch_size": 8, **spec.get("parallel", {})})

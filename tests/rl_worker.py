@@ -1,5 +1,5 @@
 """Subprocess worker for the data-parallel rollout test: one rank of a tiny policy running GRPO's and PPO's
-rollout (stages.engine.rl) with a deterministic per-row reward; every rank's view as JSON (rank 0 writes it).
+rollout (engine.rl.algorithms) with a deterministic per-row reward; every rank's view as JSON (rank 0 writes it).
 
 Run through ``engine_worker.launch(world, spec, tmp, script=THIS)``. SPEC keys: rlhf (RLHFStage overrides,
 ``parallel`` as ParallelConfig overrides), prompts (token-id lists), step, out.
@@ -30,12 +30,12 @@ class CountingReward:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    from pipeline.config import ModelConfig, ParallelConfig, RLHFStage
-    from stages.engine import distributed as D
-    from stages.engine.meter import StepMeter
-    from stages.engine.model import build_model
-    from stages.engine.rl import GRPOUnit, PPOUnit, PromptStream
-    from stages.engine.units import NamedModel, frozen
+    from engine.models.gpt import build_model
+    from engine.rl.algorithms import GRPOUnit, PPOUnit, PromptStream
+    from engine.runtime import distributed as D
+    from engine.train.meter import StepMeter
+    from engine.train.units import NamedModel, frozen
+    from pipeline.schema.config import ModelConfig, ParallelConfig, RLHFStage
 
     rl = dict(spec["rlhf"])
     par = ParallelConfig(**rl.pop("parallel"))

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from slurm_cluster import REPO, wait_for
 
-from pipeline.ledger import Ledger
-from pipeline.status import StageView, run_status
+from pipeline.records.ledger import Ledger
+from pipeline.reporting.status import StageView, run_status
 
 TINY = [
     "experiment=tiny",
@@ -31,7 +31,7 @@ SETTLED = ("completed", "failed", "blocked", "cancelled")
 
 @pytest.fixture
 def cluster(slurm_cluster: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The session cluster, with its variables in os.environ (pipeline.status calls squeue/sacct here)."""
+    """The session cluster, with its variables in os.environ (pipeline.reporting.status calls squeue/sacct here)."""
     for k, v in slurm_cluster.vars.items():
         monkeypatch.setenv(k, v)
     slurm_cluster.wait_nodes_idle(deadline_s=120)
@@ -67,7 +67,7 @@ def describe_status(run_dir: Path) -> str:
 
 
 def wait_settled(run_dir: Path, stages: list[str], deadline_s: float) -> dict[str, StageView]:
-    """Poll pipeline.status until every stage completed, failed, is blocked or was cancelled."""
+    """Poll pipeline.reporting.status until every stage completed, failed, is blocked or was cancelled."""
 
     def settled() -> dict[str, StageView] | None:
         views = {v.stage: v for v in run_status(run_dir)}

@@ -1,4 +1,4 @@
-"""The fused attention (stages.engine.attention.SDPAttention) against megatron's unfused DotProductAttention,
+"""The fused attention (engine.models.attention.SDPAttention) against megatron's unfused DotProductAttention,
 and SFT packing (sft_source(pack=True) + the block-diagonal mask) against one example per row.
 
 Both run this file as a worker (fresh process per run: the CPU compatibility layer patches torch):
@@ -44,7 +44,7 @@ def test_sdpa_equals_unfused_attention(tp: int, tmp_path: Path) -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize(("tp", "tie"), [(1, True), (2, True), (1, False)])
 def test_local_linears_equal_megatrons(tp: int, tie: bool, tmp_path: Path) -> None:
-    """The local spec's F.linear fast path (stages.engine.linear) against megatron's linear function, the
+    """The local spec's F.linear fast path (engine.models.linear) against megatron's linear function, the
     output layer's too (with the embedding's weight when tied, its own when not)."""
     out = _run(tp, {"tp": tp, "tie": tie, "check": "linear"}, tmp_path)
     assert out["fast_linears"] == 4 * 2 + 1  # qkv, proj, fc1, fc2 of both layers; the output layer
@@ -77,9 +77,9 @@ class _FakeTokenizer:
 
 
 def _models(tp: int, position: str, tie: bool = True) -> dict[str, Any]:
-    from pipeline.config import ModelConfig, ParallelConfig
-    from stages.engine import distributed as D
-    from stages.engine.model import build_model, unwrap
+    from engine.models.gpt import build_model, unwrap
+    from engine.runtime import distributed as D
+    from pipeline.schema.config import ModelConfig, ParallelConfig
 
     base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2}
     base |= {"seq_length": SEQ, "position_embedding": position, "tie_embeddings": tie}
@@ -95,9 +95,9 @@ def _models(tp: int, position: str, tie: bool = True) -> dict[str, Any]:
 def _attention(tp: int) -> dict[str, Any]:
     import torch
 
-    from stages.engine.attention import SDPAttention
-    from stages.engine.model import unwrap
-    from stages.engine.steps import _per_token_nll
+    from engine.models.attention import SDPAttention
+    from engine.models.gpt import unwrap
+    from engine.train.steps import _per_token_nll
 
     models = _models(tp, "learned_absolute")
     assert any(isinstance(m, SDPAttention) for m in models["sdpa"].modules())
@@ -128,9 +128,9 @@ def _linear(tp: int, tie: bool) -> dict[str, Any]:
     """Losses and gradients of one model with the local spec's linears, then with megatron's (same weights)."""
     import torch
 
-    from stages.engine import linear
-    from stages.engine.model import unwrap
-    from stages.engine.steps import _per_token_nll
+    from engine.models import linear
+    from engine.models.gpt import unwrap
+    from engine.train.steps import _per_token_nll
 
     model = _models(tp, "learned_absolute", tie)["sdpa"]
     fast = [m for m in model.modules() if type(m) in (linear.ColumnParallelLinear, linear.RowParallelLinear)]
@@ -163,9 +163,9 @@ def _packing(tmp: Path) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from stages.engine.data import sft_source
-    from stages.engine.model import unwrap
-    from stages.engine.steps import _per_token_nll
+    from engine.data.datasets import sft_source
+    from engine.models.gpt import unwrap
+    from engine.train.steps import _per_token_nll
 
     rnd = random.Random(0)
     words = lambda n: " ".join(str(rnd.randrange(4, VOCAB)) for _ in range(n))  # noqa: E731
@@ -199,7 +199,7 @@ def _packing(tmp: Path) -> dict[str, Any]:
 
 
 def run(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
-    from stages.engine import distributed as D
+    from engine.runtime import distributed as D
 
     D.init(spec["tp"], 1, None, seed=1234, threads=1)
     try:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import ModelConfig
-from pipeline.planner import param_count
+from pipeline.schema.config import ModelConfig
+from pipeline.schema.estimates import param_count
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench" / "bench_throughput.py"

@@ -1,4 +1,4 @@
-"""Checkpoint commit protocol, verification, resume policy and retention (stages.engine.checkpoint).
+"""Checkpoint commit protocol, verification, resume policy and retention (engine.checkpoint.checkpointer).
 
 Saving needs torch.distributed and the CPU compatibility layer (which patches torch), so saves and loads run
 in a worker subprocess: this file run as a script (see ``_worker`` at the bottom). The checks on the files
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.engine import checkpoint as ck
+from engine.checkpoint import checkpointer as ck
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER_TIMEOUT_S = 300
@@ -201,7 +201,7 @@ def _worker(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from stages.engine import cpu_compat
+    from engine.runtime import cpu_compat
 
     parser = argparse.ArgumentParser()
     parser.add_argument("cmd", choices=["save", "load"])

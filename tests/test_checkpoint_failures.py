@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.engine.checkpoint import CheckpointError
-from stages.engine.trainer import Checkpointer
+from engine.checkpoint.checkpointer import CheckpointError
+from engine.train.trainer import Checkpointer
 
 
 class FlakyDisk(Checkpointer):

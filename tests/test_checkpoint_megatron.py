@@ -1,4 +1,4 @@
-"""Exact resume through stages.engine.checkpoint with a real tiny megatron GPT, optimizer and schedule.
+"""Exact resume through engine.checkpoint.checkpointer with a real tiny megatron GPT, optimizer and schedule.
 
 Run A trains 4 steps and saves at steps 2 and 4; run B gets a copy of A's checkpoints without step 4,
 resumes from step 2 and trains to 4. Required: B's model and optimizer right after loading equal A's at its
@@ -30,7 +30,7 @@ MODEL_DROPOUT = {**MODEL, "hidden_dropout": 0.1, "attention_dropout": 0.1}
 def launch(world: int, spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
     """Run ``world`` ranks of the worker on a free port; rank 0's result (raises with the logs on failure)."""
     sys.path.insert(0, str(REPO))
-    from stages.engine.distributed import free_port
+    from engine.runtime.distributed import free_port
 
     tmp.mkdir(parents=True, exist_ok=True)
     spec_path = tmp / "spec.json"
@@ -169,7 +169,7 @@ def snapshot(chunks: list, optimizer: Any) -> dict[str, Any]:
     """This rank's model parameters and optimizer state (main params, Adam moments, step, lr), cloned."""
     import torch
 
-    from stages.engine.model import unwrap
+    from engine.models.gpt import unwrap
 
     out = {}
     for i, chunk in enumerate(chunks):
@@ -189,13 +189,14 @@ def snapshot(chunks: list, optimizer: Any) -> dict[str, Any]:
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from pipeline.config import ModelConfig, ParallelConfig, PeftConfig, TrainStage
-    from stages.engine import checkpoint, optim_fix
-    from stages.engine import distributed as D
-    from stages.engine.model import build_model
-    from stages.engine.steps import make_step
-    from stages.engine.synthetic import SyntheticSource
-    from stages.engine.trainer import Checkpointer, Trainer, build_optimizer
+    from engine.checkpoint import checkpointer as checkpoint
+    from engine.checkpoint import optim_fix
+    from engine.models.gpt import build_model
+    from engine.runtime import distributed as D
+    from engine.testing.synthetic import SyntheticSource
+    from engine.train.steps import make_step
+    from engine.train.trainer import Checkpointer, Trainer, build_optimizer
+    from pipeline.schema.config import ModelConfig, ParallelConfig, PeftConfig, TrainStage
 
     for name in spec.get("unpatched", []):  # leave these faults of megatron as shipped
         del optim_fix._PATCHES[name]

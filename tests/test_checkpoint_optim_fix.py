@@ -1,4 +1,4 @@
-"""stages.engine.optim_fix: megatron's distributed optimizer on the torch Adam fallback must still need it.
+"""engine.checkpoint.optim_fix: megatron's distributed optimizer on the torch Adam fallback must still need it.
 
 The patched path is covered by test_checkpoint_megatron (exact resume with the distributed optimizer).
 Here the same resume runs with one or more of the fix's patches left out, i.e. with megatron-core as
@@ -55,7 +55,7 @@ def test_unpatched_megatron_still_breaks_the_resume(tmp_path: Path, case: str) -
 
 
 def test_fix_is_gated_to_affected_versions(monkeypatch: pytest.MonkeyPatch) -> None:
-    from stages.engine import optim_fix
+    from engine.checkpoint import optim_fix
 
     assert optim_fix.needed(), "megatron-core here falls back to torch Adam and is in AFFECTED"
     monkeypatch.setattr(optim_fix, "AFFECTED", ((0, 0), (0, 1)))

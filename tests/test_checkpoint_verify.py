@@ -1,4 +1,4 @@
-"""Verification shared by the ranks (stages.engine.checkpoint.verify_collective / find_latest / load_latest).
+"""Verification shared by the ranks (engine.checkpoint.checkpointer.verify_collective / find_latest / load_latest).
 
 The two-rank tests run this file as a script on 2 gloo ranks: each rank hashes only its share of a
 hand-made checkpoint, and a corrupted file in rank 1's share still makes both ranks skip it (no megatron);
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from stages.engine import checkpoint as ck
+from engine.checkpoint import checkpointer as ck
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -83,7 +83,7 @@ def test_markers_with_sha256_still_verify(tmp_path: Path, monkeypatch: pytest.Mo
 
 @pytest.mark.dist
 def test_two_ranks_verify_their_own_files_and_agree(tmp_path: Path) -> None:
-    from pipeline.launch import free_port
+    from pipeline.submit.launch import free_port
 
     root = tmp_path / "checkpoints"
     make_checkpoint(root, 1)
@@ -149,8 +149,8 @@ def _load_worker(spec: dict) -> dict:
     import torch
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from stages.engine import distributed as D
-    from stages.engine.trainer import Checkpointer
+    from engine.runtime import distributed as D
+    from engine.train.trainer import Checkpointer
 
     logging.basicConfig(level=logging.WARNING)
     D.init(1, 1, None, seed=1, threads=1)
@@ -204,8 +204,8 @@ def _load_worker(spec: dict) -> dict:
 def _all_bad(chunk: Any, tmp: Path, rank: int) -> dict:
     """Every checkpoint corrupt: one alone is verified before it loads (a clean fresh start); after a failed
     load of a newer one, the resume stops with an error naming them."""
-    from stages.engine import distributed as D
-    from stages.engine.trainer import Checkpointer
+    from engine.runtime import distributed as D
+    from engine.train.trainer import Checkpointer
 
     out: dict[str, Any] = {}
     for n in (1, 2):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import (
+from pipeline.schema.config import (
     CONF_DIR,
     ConfigError,
     PipelineConfig,
@@ -109,13 +109,13 @@ def test_unknown_key_in_dict_input_suggests() -> None:
 
 
 def test_config_docs_are_current() -> None:
-    from pipeline.docs import render
+    from pipeline.cli.docs import render
 
     assert (CONF_DIR.parent / "docs" / "CONFIG.md").read_text() == render(), "run: python -m pipeline.docs"
 
 
 def test_every_field_has_a_docstring() -> None:
-    from pipeline.docs import field_docs
+    from pipeline.cli.docs import field_docs
 
     missing = [
         f"{c}.{n}"

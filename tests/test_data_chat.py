@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.config import DataConfig, PipelineConfig
+from engine.context import StageContext
+from engine.data import chat
+from engine.data.datasets import load_tokenizer, read_manifest
+from pipeline.schema.config import DataConfig, PipelineConfig
 from stages import data_prep, rlhf
-from stages.context import StageContext
-from stages.engine import chat
-from stages.engine.data import load_tokenizer, read_manifest
 
 CHATML = (
     "{% for message in messages %}"

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from test_data_prep import prep_config, run_prep
 
-from pipeline.config import ConfigError, DataConfig, DataSource, PipelineConfig
-from stages.engine import data_sources as ds
-from stages.engine.data import load_tokenizer, read_manifest
+from engine.data import sources as ds
+from engine.data.datasets import load_tokenizer, read_manifest
+from pipeline.schema.config import ConfigError, DataConfig, DataSource, PipelineConfig
 
 WORDS = "the king queen sword crown night day love war peace river stone fire wind".split()
 
@@ -149,7 +149,7 @@ def test_dedup_and_length_filters_are_counted(tmp_path: Path) -> None:
     assert (a["documents"], a["duplicates"], a["too_short"], a["too_long"]) == (35, 5, 3, 1)
     assert (b["documents"], b["duplicates"]) == (4, 4)  # all four were seen in source a first
     assert r["counts"]["documents_train"] == 30
-    from pipeline.orchestrate import data_counts_lines  # the results summary's lines
+    from pipeline.submit.orchestrate import data_counts_lines  # the results summary's lines
 
     assert "a: 30 documents kept (dropped: duplicates 5, too_short 3, too_long 1)" in data_counts_lines(r)
     cfg.data.dedup = False
@@ -239,7 +239,7 @@ def test_megatron_prefix_joins_the_blend_untokenized(prepared: tuple[Path, dict]
 def test_blend_weights_respected_over_10000_samples(prepared: tuple[Path, dict], tmp_path: Path) -> None:
     import torch.distributed as dist
 
-    from stages.engine.data import read_manifest as rm
+    from engine.data.datasets import read_manifest as rm
 
     out, _ = prepared
     tok = load_tokenizer(out / "tokenizer.json")
@@ -382,7 +382,7 @@ def test_sentencepiece_model_as_tokenizer(tmp_path: Path) -> None:
     d = IndexedDataset(str(out / "text_train-a"))
     got = {tuple(int(x) for x in d[i]) for i in range(len(d))}
     assert got == {(*sp.encode(t), tok.eod) for t in texts}
-    from pipeline.preflight import preflight
+    from pipeline.submit.preflight import preflight
 
     cfg.model.vocab_size = tok.vocab_size - 1  # the pre-flight check sizes the model against the .model
     with pytest.raises(ConfigError, match=rf"model\.vocab_size.*set model\.vocab_size >= {tok.vocab_size}"):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import data_identity
-from pipeline.config import load_config, run_hash, stage_hashes
-from pipeline.ledger import COMPLETED, Ledger, StageRecord
-from pipeline.orchestrate import decide, run_dir_for
+from pipeline.records.ledger import COMPLETED, Ledger, StageRecord
+from pipeline.schema import data_identity
+from pipeline.schema.config import load_config, run_hash, stage_hashes
+from pipeline.submit.orchestrate import decide, run_dir_for
 
 REPO = Path(__file__).resolve().parent.parent
 

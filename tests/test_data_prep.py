@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.config import DataConfig, PipelineConfig
+from engine.context import StageContext
+from engine.data.datasets import SPECIAL_TOKENS, load_tokenizer, read_manifest
+from pipeline.schema.config import DataConfig, PipelineConfig
 from stages import data_prep, tasks
-from stages.context import StageContext
-from stages.engine.data import SPECIAL_TOKENS, load_tokenizer, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the king queen sword crown night day love war peace river stone fire wind 17 2024 3".split()
@@ -255,8 +255,8 @@ def test_mpi_two_ranks_byte_identical(prepared: tuple[PipelineConfig, Path, dict
         pytest.skip("mpiexec not installed next to the interpreter (pip install mpi4py mpich)")
     two = tmp_path / "data_prep"
     script = (
-        "import json, sys; from pathlib import Path; from pipeline.config import from_dict; "
-        "from stages import data_prep; from stages.context import StageContext; "
+        "import json, sys; from pathlib import Path; from pipeline.schema.config import from_dict; "
+        "from stages import data_prep; from engine.context import StageContext; "
         "cfg = from_dict(json.loads(sys.argv[1])); out = Path(sys.argv[2]); "
         "r = data_prep.main(cfg, StageContext(run_dir=out.parent, stage='data_prep', out_dir=out)); "
         "print('RESULT', json.dumps(r))"

@@ -1,4 +1,4 @@
-"""Sample sources of stages.engine.data: SFT / preference masks, epochs, megatron GPTDataset on CPU."""
+"""Sample sources of engine.data.datasets: SFT / preference masks, epochs, megatron GPTDataset on CPU."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages import data_prep, tasks
-from stages.engine.data import (
+from engine.data.datasets import (
     Tokenizer,
     collate,
     preference_source,
@@ -18,6 +17,7 @@ from stages.engine.data import (
     sft_source,
     valid_source,
 )
+from stages import data_prep, tasks
 
 TEXT = [
     f"Line {i}: the quick brown fox jumps over {i * 7} lazy dogs.\n\nAnd then it slept." for i in range(60)

@@ -1,6 +1,6 @@
 """Device discipline: every batch the engine, eval and the steps feed the model is on the model's device.
 
-``stages.engine.distributed.device()`` decides the device. Here it is pointed at ``meta`` and the model is
+``engine.runtime.distributed.device()`` decides the device. Here it is pointed at ``meta`` and the model is
 moved there; a forward pre-hook on the GPTModel records the devices of every tensor argument and stops the
 call (nothing is computed). A tensor made on the CPU anywhere on the way (eval's batches, positions,
 generation's token rows, a step's batch) shows up as ``cpu`` and fails the test, as it would fail on CUDA.
@@ -28,13 +28,13 @@ SCRIPT = textwrap.dedent(
     import numpy as np
     import torch
 
-    from pipeline.config import ModelConfig, ParallelConfig, TrainStage
+    from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
     from stages import eval as ev
-    from stages.engine import distributed as D
-    from stages.engine.model import build_model, unwrap
-    from stages.engine.steps import make_step
-    from stages.engine.synthetic import SyntheticPreferenceSource, SyntheticSource
-    from stages.engine.trainer import Trainer, WithReference, build_optimizer, reference_logps
+    from engine.runtime import distributed as D
+    from engine.models.gpt import build_model, unwrap
+    from engine.train.steps import make_step
+    from engine.testing.synthetic import SyntheticPreferenceSource, SyntheticSource
+    from engine.train.trainer import Trainer, WithReference, build_optimizer, reference_logps
 
     D.init(1, 1, seed=1, threads=1)
     seq, vocab = 16, 64
@@ -136,7 +136,7 @@ def test_every_batch_lands_on_the_models_device(tmp_path: Path) -> None:
 
 
 # Files allowed to name CUDA: the device helper (and process-group set-up) and the CPU compatibility layer.
-ALLOWED = {"stages/engine/distributed.py", "stages/engine/cpu_compat.py"}
+ALLOWED = {"engine/runtime/distributed.py", "engine/runtime/cpu_compat.py"}
 FORBIDDEN = re.compile(
     r"""\.cuda\(|device\s*=\s*["']cuda|torch\.device\(\s*["']cuda|\.to\(\s*["']cuda|torch\.cuda\.current_device\("""
 )
@@ -151,13 +151,13 @@ def test_nothing_else_in_stages_names_cuda() -> None:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if FORBIDDEN.search(line):
                 offenders.append(f"{rel}:{n}: {line.strip()}")
-    assert not offenders, "use stages.engine.distributed.device() instead:\n" + "\n".join(offenders)
+    assert not offenders, "use engine.runtime.distributed.device() instead:\n" + "\n".join(offenders)
 
 
 def test_attention_falls_back_to_the_local_spec_without_transformer_engine() -> None:
     import importlib.util
 
-    from stages.engine.model import attention_impl
+    from engine.models.gpt import attention_impl
 
     assert attention_impl() == ("te" if importlib.util.find_spec("transformer_engine") else "local")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.graph import DEFAULT_STAGES as STAGES
-from pipeline.ledger import Ledger
+from pipeline.records.ledger import Ledger
+from pipeline.schema.graph import DEFAULT_STAGES as STAGES
 
 REPO = Path(__file__).resolve().parent.parent
 

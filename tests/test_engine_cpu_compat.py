@@ -1,4 +1,4 @@
-"""stages.engine.cpu_compat: the patch table still matches torch/megatron, and the patches work.
+"""engine.runtime.cpu_compat: the patch table still matches torch/megatron, and the patches work.
 
 Patching happens only in subprocesses (never in the pytest process).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.engine import cpu_compat
+from engine.runtime import cpu_compat
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="cpu_compat is inactive with CUDA")
@@ -56,7 +56,7 @@ def test_megatron_still_needs_the_rng_patch() -> None:
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from stages.engine import cpu_compat as c
+    from engine.runtime import cpu_compat as c
 
     originals = {(p.owner, p.name): getattr(c.resolve(p.owner), p.name) for p in c.PATCHES}
     assert c.install() is True and c.install() is True  # idempotent

@@ -17,17 +17,17 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from pipeline.config import from_dict
-    from stages.context import StageContext
+    from pipeline.schema.config import from_dict
+    from engine.context import StageContext
 
     cfg = from_dict(json.loads(Path(sys.argv[1]).read_text()))
     run = Path(sys.argv[2])
     data = run / "stages" / "data_prep"
 
-    from stages.engine import distributed as D
-    from stages.engine.checkpoint import save
-    from stages.engine.data import load_tokenizer
-    from stages.engine.model import build_model
+    from engine.runtime import distributed as D
+    from engine.checkpoint.checkpointer import save
+    from engine.data.datasets import load_tokenizer
+    from engine.models.gpt import build_model
     from stages import eval as ev
 
     D.init(1, 1, seed=1, threads=1)

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 HELPERS_SCRIPT = """
 import multiprocessing as mp, os, sys, time
-from stages.engine import checkpoint
+from engine.checkpoint import checkpointer as checkpoint
 
 if __name__ == "__main__":
     checkpoint._signal_safe_writer_queue()  # the writer's results-queue manager, as the first save starts it
@@ -85,7 +85,7 @@ def remark(path: Path) -> None:
     """Rewrite the completion marker so the tampered checkpoint verifies (the marker is no signature)."""
     import json
 
-    from stages.engine.checkpoint import MARKER, _file_record
+    from engine.checkpoint.checkpointer import MARKER, _file_record
 
     meta = json.loads((path / MARKER).read_text())
     meta["files"] = {
@@ -138,7 +138,7 @@ def test_a_checkpoint_with_a_pickle_payload_does_not_run_it(
 
     from engine_worker import launch
 
-    from stages.engine.checkpoint import CheckpointError, load_tensors
+    from engine.checkpoint.checkpointer import CheckpointError, load_tensors
 
     root = tmp_path / "checkpoints"
     shutil.copytree(saved_checkpoint, root / saved_checkpoint.name)
@@ -177,7 +177,7 @@ def test_a_full_disk_gives_logged_failures_retries_and_a_clean_stop(
 ) -> None:
     from engine_worker import launch
 
-    from stages.engine.checkpoint import find_latest, verify
+    from engine.checkpoint.checkpointer import find_latest, verify
 
     root = small_tmpfs / "checkpoints"
     spec = {**SPEC, "stage": {"iters": 8}, "save_interval": 1, "ckpt": str(root)}

@@ -1,7 +1,7 @@
 """Kill, signal and hang the pretrain stage through the real command line; every resume is exact.
 
 Each scenario runs ``python -m pipeline`` (local executor, separate processes) with ``PIPELINE_FAULT``
-(stages/engine/faults.py), re-runs the same command until it completes, and compares the final
+(engine/runtime/fault_injection.py), re-runs the same command until it completes, and compares the final
 checkpoint's tensors (model and optimizer) bit for bit with an uninterrupted run of the same layout.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.ledger import Ledger
+from pipeline.records.ledger import Ledger
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = [
@@ -49,7 +49,7 @@ def run_dir(root: Path) -> Path:
 
 
 def final_tensors(root: Path) -> dict[str, torch.Tensor]:
-    from stages.engine.checkpoint import find_latest, load_tensors
+    from engine.checkpoint.checkpointer import find_latest, load_tensors
 
     latest = find_latest(run_dir(root) / "stages" / "pretrain" / "checkpoints", collective=False)
     assert latest is not None and latest.name == "iter_0000006", latest
@@ -167,7 +167,7 @@ def test_signals_on_two_ranks_save_at_the_same_step_and_lose_nothing(
 def test_hung_rank_is_detected_dumped_and_exits_with_hang_code(
     data_root: Path, baseline_dp2: dict, tmp_path: Path
 ) -> None:
-    from stages.engine.signals import HANG_EXIT_CODE
+    from engine.runtime.signals import HANG_EXIT_CODE
 
     root = seeded(data_root, tmp_path)
     runs = until_done(root, [*DP2, "pretrain.hang_timeout_s=30"], "hang@step:3/rank=1")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.engine.faults import FaultInjector, InjectedFault, parse
-from stages.engine.signals import HANG_EXIT_CODE, StopFlag
+from engine.runtime.fault_injection import FaultInjector, InjectedFault, parse
+from engine.runtime.signals import HANG_EXIT_CODE, StopFlag
 
 
 def test_parse_specs() -> None:
@@ -49,7 +49,7 @@ def test_watchdog_dumps_stacks_and_exits_with_hang_code(tmp_path: Path) -> None:
     script = textwrap.dedent(
         """
         import time
-        from stages.engine.signals import Watchdog
+        from engine.runtime.signals import Watchdog
         w = Watchdog(timeout_s=1.0, poll_s=0.1).start()
         w.beat()
         def stuck_in_a_collective():
@@ -63,6 +63,6 @@ def test_watchdog_dumps_stacks_and_exits_with_hang_code(tmp_path: Path) -> None:
 
 
 def test_kill_fault_kills(tmp_path: Path) -> None:
-    script = f"from stages.engine.faults import FaultInjector; FaultInjector({str(tmp_path)!r}, 0, 'kill@step:1').check('step', 1)"
+    script = f"from engine.runtime.fault_injection import FaultInjector; FaultInjector({str(tmp_path)!r}, 0, 'kill@step:1').check('step', 1)"
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL

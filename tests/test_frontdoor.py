@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import config
 from pipeline.__main__ import main
-from pipeline.config import PipelineConfig, stage_own_config
+from pipeline.schema import config
+from pipeline.schema.config import PipelineConfig, stage_own_config
 
 LINE = re.compile(r"^config error: \S+=.*: .+$")
 
@@ -126,7 +126,7 @@ def test_init_from_other_model_shape(tmp_path: Path, capsys: pytest.CaptureFixtu
     code, err = run_cli(tmp_path, capsys, f"sft.init_from={other_vocab}")
     assert_config_error(tmp_path, code, err, "vocabulary has 1024 tokens, this run's 512")
     good = _checkpoint(tmp_path / "good", hidden_size=64)
-    from pipeline.cli import load
+    from pipeline.cli.compose import load
 
     load([f"sft.init_from={good}", "experiment=tiny"])  # same shape: accepted
 
@@ -158,7 +158,9 @@ def test_help_lists_commands_groups_and_exit_codes(capsys: pytest.CaptureFixture
 
 
 def test_companion_commands_share_the_error_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline import cancel, plan_cli, status
+    from pipeline.cli.compose import cancel
+    from pipeline.cli.compose import plan as plan_cli
+    from pipeline.reporting import status
 
     assert plan_cli.main(["model=tinyy"]) == 2
     assert LINE.match(capsys.readouterr().err.strip())
@@ -172,13 +174,13 @@ def test_pipeline_imports_no_torch_for_the_front_door() -> None:
     import subprocess
     import sys
 
-    code = "import sys, pipeline.__main__, pipeline.preflight, pipeline.cli; print('torch' in sys.modules)"
+    code = "import sys, pipeline.__main__, pipeline.submit.preflight, pipeline.cli.compose; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
 
 def test_preflight_constants_match_the_engine() -> None:
-    from pipeline import preflight
+    from pipeline.submit import preflight
 
     root = Path(config.__file__).resolve().parent.parent / "stages" / "engine"
     assert f'MARKER = "{preflight.CHECKPOINT_MARKER}"' in (root / "checkpoint.py").read_text()
@@ -241,9 +243,9 @@ def test_sbatch_rejects_second_stage_leaves_a_readable_run(
     code, err = run_cli(tmp_path, capsys, "cluster=slurm", "run.stages=[data_prep,pretrain]")
     assert code == 3 and len(err) == 1 and "sbatch rejected stage 'pretrain'" in err[0], err
     (run_dir,) = (tmp_path / "runs").glob("tiny-*")
-    from pipeline.ledger import Ledger
-    from pipeline.orchestrate import decide
-    from pipeline.status import main as status_main
+    from pipeline.records.ledger import Ledger
+    from pipeline.reporting.status import main as status_main
+    from pipeline.submit.orchestrate import decide
 
     ledger = Ledger(run_dir)
     assert ledger.read("data_prep").status == "cancelled"  # type: ignore[union-attr]
@@ -378,8 +380,8 @@ def test_slurm_only_key_with_the_local_executor(tmp_path: Path, capsys: pytest.C
 
 def test_prepared_data_too_small_for_one_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """data_prep completed earlier (ledger + manifest) with fewer tokens than one pretrain batch."""
-    from pipeline.cli import load
-    from pipeline.ledger import COMPLETED, Ledger
+    from pipeline.cli.compose import load
+    from pipeline.records.ledger import COMPLETED, Ledger
 
     cfg = load(["experiment=tiny", f"run.root={tmp_path / 'runs'}", "run.stages=[data_prep]"])
     run_dir = config.run_dir_for(cfg)

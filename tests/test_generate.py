@@ -1,4 +1,4 @@
-"""Generation on the engine (stages/engine/generate.py): the KV cache gives the tokens full recomputation
+"""Generation on the engine (engine/models/generate.py): the KV cache gives the tokens full recomputation
 gives, under TP1, TP2 and PP2 from the same weights; stop tokens end a sequence; seeded sampling repeats.
 
 Each layout is one subprocess run (tests/generate_worker.py) on a tiny fp32 model; prompts of different
@@ -71,7 +71,7 @@ def test_generate_layouts_match_single_rank(
 def test_unpad_sampling_params_and_top_p() -> None:
     import torch
 
-    from stages.engine.generate import SamplingParams, _sample, unpad
+    from engine.models.generate import SamplingParams, _sample, unpad
 
     t = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 1]])
     assert unpad(t, [2, 4], side="left") == [[5, 6], [7, 8, 9, 1]]

@@ -94,7 +94,7 @@ def test_fp16_steps_skip_overflows_and_learn_on_cuda(tmp_path: Path) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_sdpa_attention_equals_unfused_on_cuda(tmp_path: Path, precision: str) -> None:
-    from pipeline.config import ModelConfig
+    from pipeline.schema.config import ModelConfig
 
     if "attention_backend" not in {f.name for f in dataclasses.fields(ModelConfig)}:
         pytest.skip("model.attention_backend (the SDPA module) is not in this checkout")

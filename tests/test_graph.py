@@ -1,4 +1,4 @@
-"""The stage graph is declared in one place (pipeline.graph.REGISTRY): everything else follows from it."""
+"""The stage graph is declared in one place (pipeline.schema.graph.REGISTRY): everything else follows from it."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import graph
-from pipeline.config import ConfigError, PipelineConfig, stage_hashes
-from pipeline.graph import required
+from pipeline.schema import graph
+from pipeline.schema.config import ConfigError, PipelineConfig, stage_hashes
+from pipeline.schema.graph import required
 
 
 def test_every_stage_has_its_module_and_config_section() -> None:
@@ -66,7 +66,7 @@ def test_an_unused_optional_stage_does_not_change_other_stages_identity() -> Non
 
 
 def test_opt_in_stage_needs_its_upstream(tmp_path: Path) -> None:
-    from pipeline.cli import load
+    from pipeline.cli.compose import load
 
     with pytest.raises(ConfigError, match=r"reward_model reads the output of sft"):
         load([f"run.root={tmp_path}", "run.stages=[data_prep,reward_model]", "experiment=tiny"])

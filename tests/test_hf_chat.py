@@ -14,12 +14,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_models import make  # noqa: E402
 
-from pipeline.cli import load  # noqa: E402
-from pipeline.config import ConfigError  # noqa: E402
+from engine.context import StageContext  # noqa: E402
+from engine.data import chat  # noqa: E402
+from engine.data.datasets import load_tokenizer, read_manifest  # noqa: E402
+from pipeline.cli.compose import load  # noqa: E402
+from pipeline.schema.config import ConfigError  # noqa: E402
 from stages import data_prep  # noqa: E402
-from stages.context import StageContext  # noqa: E402
-from stages.engine import chat  # noqa: E402
-from stages.engine.data import load_tokenizer, read_manifest  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_models import make  # noqa: E402
 
-from pipeline.cli import load  # noqa: E402
-from pipeline.config import ConfigError, PipelineConfig  # noqa: E402
+from pipeline.cli.compose import load  # noqa: E402
+from pipeline.schema.config import ConfigError, PipelineConfig  # noqa: E402
 
 
 def load_config(overrides: list[str]) -> PipelineConfig:

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_worker import launch  # noqa: E402
 from hf_models import hf_logits, make  # noqa: E402
 
-from pipeline.hf_arch import HFConfigError, arch_values, model_config  # noqa: E402
+from pipeline.schema.hf_arch import HFConfigError, arch_values, model_config  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "hf_worker.py"
 REL = 1e-5

@@ -1,5 +1,5 @@
 """End to end through the CLI from a Hugging Face directory: a tiny random Llama-3-style model with its own
-tokenizer and chat template -> SFT (init_from=hf:) -> DPO -> eval (base model included) -> pipeline.export;
+tokenizer and chat template -> SFT (init_from=hf:) -> DPO -> eval (base model included) -> pipeline.cli.export;
 transformers' greedy generation on the export gives the same tokens as the pipeline's eval on the same prompts."""
 
 from __future__ import annotations

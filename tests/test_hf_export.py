@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPORT = """
 import json, sys
 from pathlib import Path
-from stages.engine.checkpoint import find_latest
-from stages.engine.convert.export import export
-from pipeline.hf_arch import model_config
+from engine.checkpoint.checkpointer import find_latest
+from engine.convert.export import export
+from pipeline.schema.hf_arch import model_config
 hf, root, out, tol = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4])
 m = export(model_config(hf, seq_length=32), find_latest(root, collective=False), out, hf, tolerance=tol,
            max_shard_bytes=200_000)

@@ -1,4 +1,4 @@
-"""stages.engine.host_memory: a CPU job's freed tensor memory stays in the heap and is reused without faults.
+"""engine.runtime.host_memory: a CPU job's freed tensor memory stays in the heap and is reused without faults.
 
 The allocator's thresholds are process-wide and for the process's life, so each case runs in a fresh
 subprocess. It holds eight 4 MiB tensors at once, frees them, and reports (glibc's ``mallinfo2``) how many
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.engine import host_memory
+from engine.runtime import host_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS = 8 * (4 << 20)
@@ -33,10 +33,10 @@ libc.mallinfo2.restype = Info
 how = sys.argv[1]
 kept = None
 if how == "keep":
-    from stages.engine import host_memory
+    from engine.runtime import host_memory
     kept = host_memory.keep_freed_memory()
 elif how == "init":
-    from stages.engine import distributed as D
+    from engine.runtime import distributed as D
     D.init(threads=1)
 def blocks():
     return [torch.empty(4 << 20, dtype=torch.uint8).fill_(1) for _ in range(8)]
@@ -92,7 +92,7 @@ def test_kept_memory_stays_in_the_heap_and_is_reused_without_faults() -> None:
 @needs_glibc
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU jobs only (with CUDA the caching allocator)")
 def test_a_cpu_job_keeps_its_memory() -> None:
-    """stages.engine.distributed.init sets it up for every CPU job (one rank, gloo)."""
+    """engine.runtime.distributed.init sets it up for every CPU job (one rank, gloo)."""
     out = _probe("init")
     assert out["mapped"] < BLOCKS // 8 and out["held"] >= BLOCKS // 2, out
 

@@ -1,4 +1,4 @@
-"""stages.indexed writes the same bytes as megatron's IndexedDatasetBuilder (documents and merged shards)."""
+"""engine.data.indexed writes the same bytes as megatron's IndexedDatasetBuilder (documents and merged shards)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages.indexed import IndexedWriter, read_index
+from engine.data.indexed import IndexedWriter, read_index
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])

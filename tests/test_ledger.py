@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config, stage_hashes
-from pipeline.launch import sbatch_script
-from pipeline.ledger import COMPLETED, FAILED, RUNNING, Ledger, StageRecord
-from pipeline.orchestrate import RunError, decide, run_dir_for
+from pipeline.records.ledger import COMPLETED, FAILED, RUNNING, Ledger, StageRecord
+from pipeline.schema.config import load_config, stage_hashes
+from pipeline.submit.launch import sbatch_script
+from pipeline.submit.orchestrate import RunError, decide, run_dir_for
 
 REFERENCE = Path(__file__).parent / "data" / "dryrun_gpu_ib_pretrain.sbatch"
 
@@ -114,7 +114,7 @@ def test_dry_run_script_matches_reference() -> None:
 _WRITER = """
 import sys, time
 from pathlib import Path
-from pipeline.ledger import Ledger
+from pipeline.records.ledger import Ledger
 led, me, n = Ledger(Path(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3])
 go = Path(sys.argv[1]) / "go"
 while not go.exists():

@@ -1,4 +1,4 @@
-"""LoRA (``<stage>.peft.method=lora``, stages/engine/lora.py): config validation, frozen base, adapters-only
+"""LoRA (``<stage>.peft.method=lora``, engine/models/lora.py): config validation, frozen base, adapters-only
 checkpoints, exact resume, merged weights, TP2 == TP1.
 
 The engine runs are fresh process groups in subprocesses (tests/test_checkpoint_megatron.py's worker for the
@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_checkpoint_megatron as drill  # noqa: E402
 from engine_worker import launch as engine_launch  # noqa: E402
 
-from pipeline.config import ConfigError, PeftConfig  # noqa: E402
-from pipeline.plan_cli import compose_config  # noqa: E402
+from pipeline.cli.plan import compose_config  # noqa: E402
+from pipeline.schema.config import ConfigError, PeftConfig  # noqa: E402
 
 LORA = {"method": "lora", "rank": 4, "alpha": 8.0}
 SWIGLU = {**drill.MODEL, "activation": "swiglu", "normalization": "RMSNorm", "add_bias_linear": False}
@@ -54,7 +54,7 @@ def test_lora_checkpoint_holds_adapters_only_resumes_exactly_and_merges(tmp_path
     records its base; a resume after losing the last checkpoint is bit-exact; as init_from it loads merged."""
     import torch
 
-    from stages.engine.checkpoint import load_tensors
+    from engine.checkpoint.checkpointer import load_tensors
 
     base = tmp_path / "base" / "checkpoints"
     par = {"global_batch_size": 8, "micro_batch_size": 4}
@@ -81,7 +81,7 @@ def test_lora_checkpoint_holds_adapters_only_resumes_exactly_and_merges(tmp_path
     assert model_keys and all(k.endswith((".lora_a", ".lora_b")) for k in model_keys), model_keys[:5]
     assert len(model_keys) == 8  # A and B of 4 linears (megatron stacks the layers)
     assert any(k.startswith("optimizer") for k in tensors)
-    from stages.engine.lora import checkpoint_record
+    from engine.models.lora import checkpoint_record
 
     rec = checkpoint_record(final)
     assert rec is not None and rec["rank"] == LORA["rank"] and Path(rec["base"]).parent == base
@@ -156,8 +156,8 @@ def test_lora_tp2_matches_tp1(tmp_path: Path) -> None:
 def test_planner_counts_the_adapters_the_engine_trains() -> None:
     """The planner's LoRA parameter count equals the engine's (9,728 trainable in test_lora_tp2_matches_tp1);
     gradients and optimizer state cover the adapters only, and the checkpoint holds only them."""
-    from pipeline.config import ModelConfig
-    from pipeline.planner import estimate_stage, lora_layer_params
+    from pipeline.schema.config import ModelConfig
+    from pipeline.schema.estimates import estimate_stage, lora_layer_params
 
     model = ModelConfig(
         **{**MODEL_TP, "activation": "swiglu", "normalization": "RMSNorm", "add_bias_linear": False}
@@ -187,10 +187,10 @@ def subprocess_plan(overrides: list[str]) -> str:
 EXPORT_BOTH = """
 import json, sys
 from pathlib import Path
-from stages.engine.checkpoint import find_latest
-from stages.engine.convert.export import export
-from stages.engine.convert.lora_export import export_peft
-from pipeline.hf_arch import model_config
+from engine.checkpoint.checkpointer import find_latest
+from engine.convert.export import export
+from engine.convert.lora_export import export_peft
+from pipeline.schema.hf_arch import model_config
 hf, root, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 model, ckpt = model_config(hf, seq_length=32), find_latest(root, collective=False)
 merged = export(model, ckpt, out / "merged", hf)
@@ -223,7 +223,7 @@ def test_lora_export_merged_and_peft_give_the_same_logits(tmp_path: Path) -> Non
 
     from hf_models import make
 
-    from pipeline.hf_arch import model_config
+    from pipeline.schema.hf_arch import model_config
 
     hf = make("llama3", tmp_path / "hf")
     model = dataclasses.asdict(model_config(hf, seq_length=32))

@@ -1,7 +1,7 @@
 """Bad steps (NaN/Inf loss or grad norm, spikes) under each ``nan_policy``, and async checkpoint saves.
 
 The fast tests cover the guard and the config keys. The slow ones run ``python -m pipeline`` (local
-executor) on the tiny experiment with ``PIPELINE_FAULT=nan@step:4`` (stages/engine/faults.py: step 4's loss,
+executor) on the tiny experiment with ``PIPELINE_FAULT=nan@step:4`` (engine/runtime/fault_injection.py: step 4's loss,
 and so its gradients, become NaN) and compare final checkpoints bit for bit:
 
 - skip: step 4's update is not applied (the batch is consumed, the LR schedule and Adam's step count do
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import ConfigError, PipelineConfig, TrainStage, stage_hashes
-from stages.engine.bad_steps import SPIKE_MIN_HISTORY, BadStepGuard, reason_code, reason_from_code
+from engine.train.bad_steps import SPIKE_MIN_HISTORY, BadStepGuard, reason_code, reason_from_code
+from pipeline.schema.config import ConfigError, PipelineConfig, TrainStage, stage_hashes
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["experiment=tiny", "run.stages=[data_prep,pretrain]", "pretrain.save_interval=2"]
@@ -111,13 +111,13 @@ def ckpts(root: Path) -> Path:
 
 
 def tensors(root: Path, iteration: int = 6) -> dict[str, torch.Tensor]:
-    from stages.engine.checkpoint import iter_dir_name, load_tensors
+    from engine.checkpoint.checkpointer import iter_dir_name, load_tensors
 
     return load_tensors(ckpts(root) / iter_dir_name(iteration))
 
 
 def saved_state(root: Path, iteration: int = 6) -> dict:
-    from stages.engine.checkpoint import iter_dir_name
+    from engine.checkpoint.checkpointer import iter_dir_name
 
     common = torch.load(ckpts(root) / iter_dir_name(iteration) / "common.pt", weights_only=False)
     return common["checkpoint"]

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from pipeline.config import MonitorConfig, from_dict
-from pipeline.ledger import Ledger
-from stages.engine.callbacks import Callback, Callbacks, StageInfo, view
-from stages.engine.callbacks.alarms import GRAD_NORM, LOSS_SPIKE, STALL, THROUGHPUT, Alarms
+from engine.callbacks.alarms import GRAD_NORM, LOSS_SPIKE, STALL, THROUGHPUT, Alarms
+from engine.train.callback import Callback, Callbacks, StageInfo, view
+from pipeline.records.ledger import Ledger
+from pipeline.schema.config import MonitorConfig, from_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_worker import launch  # noqa: E402
@@ -169,7 +169,7 @@ def _fake_run(tmp_path: Path) -> Path:
 
 
 def test_alarms_appear_in_status_and_are_forwarded_to_events_once(tmp_path: Path) -> None:
-    from pipeline.alarms import forward_alarms
+    from pipeline.records.alarms import forward_alarms
 
     run = _fake_run(tmp_path)
     r = subprocess.run(
@@ -183,7 +183,7 @@ def test_alarms_appear_in_status_and_are_forwarded_to_events_once(tmp_path: Path
 
 
 def test_progress_line_shows_mfu_and_memory() -> None:
-    from pipeline.progress import format_record
+    from pipeline.records.progress import format_record
 
     line = format_record(
         "pretrain", {"kind": "train", "step": 3, "iters": 9, "loss": 2.0, "mfu": 0.123, "mem_rss_gb": 0.45}
@@ -192,7 +192,7 @@ def test_progress_line_shows_mfu_and_memory() -> None:
 
 
 def test_meter_tflops_and_mfu() -> None:
-    from stages.engine.meter import StepMeter
+    from engine.train.meter import StepMeter
 
     m = StepMeter(flops_per_step=2e12, peak_tflops=10.0, world_size=2)
     with m.time("data"):
@@ -203,9 +203,9 @@ def test_meter_tflops_and_mfu() -> None:
 
 
 def test_oom_report_names_the_planner_estimate_and_fix(tmp_path: Path) -> None:
-    from pipeline.config import load_config
-    from stages.context import MetricsWriter, StageContext
-    from stages.engine.oom import oom_report
+    from engine.context import MetricsWriter, StageContext
+    from engine.runtime.oom import oom_report
+    from pipeline.schema.config import load_config
 
     cfg = load_config(["model=llama3.1-8b", "cluster=gpu_ib"])
     ctx = StageContext(run_dir=tmp_path, stage="pretrain", out_dir=tmp_path)
@@ -235,7 +235,7 @@ def test_report_cli_rejects_a_path_that_is_no_run(tmp_path: Path) -> None:
 
 
 def test_report_of_a_run_and_of_a_sweep(tmp_path: Path) -> None:
-    from pipeline.html_report import write_report
+    from pipeline.reporting.html import write_report
 
     run = _fake_run(tmp_path)
     page = write_report(run).read_text()
@@ -245,7 +245,7 @@ def test_report_of_a_run_and_of_a_sweep(tmp_path: Path) -> None:
 
 
 def test_wandb_run_id_is_kept_in_the_stage_dir_for_resume(tmp_path: Path) -> None:
-    from stages.engine.callbacks.wandb import WandB, mode
+    from engine.callbacks.wandb import WandB, mode
 
     first = WandB(tmp_path, "p", "run-abc", "pretrain", {}).run_id()
     again = WandB(tmp_path, "p", "run-abc", "pretrain", {}).run_id()  # a resumed stage: a new process
@@ -254,7 +254,7 @@ def test_wandb_run_id_is_kept_in_the_stage_dir_for_resume(tmp_path: Path) -> Non
 
 
 def test_timeline_shows_each_attempt_and_how_it_ended(tmp_path: Path) -> None:
-    from pipeline.html_report import attempts, run_report
+    from pipeline.reporting.html import attempts, run_report
 
     run = _fake_run(tmp_path)
     ledger = Ledger(run)

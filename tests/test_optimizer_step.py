@@ -44,12 +44,12 @@ def test_fused_adam_step_equals_torch_adamw_on_clipped_grads(tmp_path: Path) -> 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from pipeline.config import ModelConfig, ParallelConfig, TrainStage
-    from stages.engine import distributed as D
-    from stages.engine.model import build_model
-    from stages.engine.steps import make_step
-    from stages.engine.synthetic import SyntheticSource
-    from stages.engine.trainer import Trainer, build_optimizer, fuse_cpu_adam
+    from engine.models.gpt import build_model
+    from engine.runtime import distributed as D
+    from engine.testing.synthetic import SyntheticSource
+    from engine.train.steps import make_step
+    from engine.train.trainer import Trainer, build_optimizer, fuse_cpu_adam
+    from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
 
     model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32)
     par = ParallelConfig(micro_batch_size=2, global_batch_size=4)

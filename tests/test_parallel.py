@@ -19,8 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_worker import launch  # noqa: E402
 
-from pipeline.config import ConfigError  # noqa: E402
-from pipeline.plan_cli import compose_config  # noqa: E402
+from pipeline.cli.plan import compose_config  # noqa: E402
+from pipeline.schema.config import ConfigError  # noqa: E402
 
 MODEL = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32}
 STEPS = 5
@@ -155,7 +155,7 @@ def test_tensor_parallel_shard_is_megatrons_slice_of_the_full_tensor(dim: int, s
     import torch
     from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
 
-    from stages.engine.init_weights import _tp_slice, param_seed
+    from engine.models.init_weights import _tp_slice, param_seed
 
     tp, full = 2, torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
     for rank in range(tp):

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import plan as plan_mod
-from pipeline.config import ConfigError, ModelConfig, ParallelConfig, PipelineConfig
-from pipeline.plan_cli import CONF_DIR, compose_config
-from pipeline.planner import (
+from pipeline.cli.plan import CONF_DIR, compose_config
+from pipeline.schema import layout as plan_mod
+from pipeline.schema.config import ConfigError, ModelConfig, ParallelConfig, PipelineConfig
+from pipeline.schema.estimates import (
     GiB,
     estimate_stage,
     inflight_layers,
@@ -281,7 +281,7 @@ def test_layout_that_does_not_fit_warns_with_a_suggestion_that_fits() -> None:
 
 
 def test_cli_exit_status_and_warning_when_it_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline.plan_cli import main
+    from pipeline.cli.plan import main
 
     rc = main(["model=llama3.1-8b", *GPU_CLUSTER, "run.stages=[sft]", "sft.parallel.precision=bf16"])
     out = capsys.readouterr().out
@@ -334,7 +334,7 @@ def test_every_model_yaml_composes_and_validates(path: Path) -> None:
 
 
 def test_checkpoint_estimate_from_bytes_per_rank_and_bandwidth() -> None:
-    from pipeline.planner import estimate_stage, param_count
+    from pipeline.schema.estimates import estimate_stage, param_count
 
     over = ["model=llama3.1-8b", "cluster=gpu_ib", "run.stages=[pretrain]", "pretrain.parallel.tp=8"]
     over += ["pretrain.parallel.nodes=2", "pretrain.parallel.precision=bf16", "cluster.fs_bandwidth_gb_s=4"]

@@ -83,8 +83,8 @@ def test_overflow_is_told_apart_from_a_bad_step(
 ) -> None:
     import torch
 
-    from stages.engine.bad_steps import BadStepGuard
-    from stages.engine.trainer import Trainer
+    from engine.train.bad_steps import BadStepGuard
+    from engine.train.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)  # the step judgement only: no model, no process group
     trainer.optimizer, trainer.guard, trainer.overflow_steps = _Optimizer(found_inf), BadStepGuard(), 0

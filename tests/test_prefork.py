@@ -1,4 +1,4 @@
-"""pipeline.prefork: local ranks forked from a pre-imported server, through submitit's local controller.
+"""pipeline.submit.prefork: local ranks forked from a pre-imported server, through submitit's local controller.
 
 One server for the module (its imports take seconds); every job goes through the real LocalExecutor with
 the server's relay as its ``python``. Faults come from outside: SIGKILL of a relay, of the server.
@@ -18,7 +18,7 @@ import cloudpickle
 import psutil
 import pytest
 
-from pipeline import prefork
+from pipeline.submit import prefork
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
@@ -90,7 +90,7 @@ def raise_error() -> None:
 
 
 def relay_cmd(server: prefork.Server, *args: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.prefork", "relay", str(server.socket_path), *args]
+    return [sys.executable, "-m", "pipeline.submit.prefork", "relay", str(server.socket_path), *args]
 
 
 def test_exit_status_and_errors_come_back_as_from_a_plain_process(
@@ -103,9 +103,9 @@ def test_exit_status_and_errors_come_back_as_from_a_plain_process(
     # an exit code: this module without arguments prints its usage and exits with 2
     env = prefork.task_env()  # as submitit's controller gives its tasks (else the server refuses)
     r = subprocess.run(
-        relay_cmd(server, "-u", "-m", "pipeline.prefork"), capture_output=True, text=True, env=env
+        relay_cmd(server, "-u", "-m", "pipeline.submit.prefork"), capture_output=True, text=True, env=env
     )
-    assert r.returncode == 2 and "usage: python -m pipeline.prefork" in r.stderr, r
+    assert r.returncode == 2 and "usage: python -m pipeline.submit.prefork" in r.stderr, r
     # a rank killed by a signal: its relay ends by the same signal
     p = subprocess.Popen(
         relay_cmd(server, "-m", "timeit", "-n1", "-r1", "__import__('time').sleep(300)"), env=env

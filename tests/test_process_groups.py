@@ -1,4 +1,4 @@
-"""stages.engine.distributed on gloo: megatron's groups that span the world are the default group.
+"""engine.runtime.distributed on gloo: megatron's groups that span the world are the default group.
 
 Each layout runs twice in fresh gloo worlds, with the sharing (what ``D.init`` does) and without it. Every
 group megatron hands out has the same ranks both ways, an all-reduce over each of them sums exactly its
@@ -66,7 +66,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from stages.engine import distributed as D
+    from engine.runtime import distributed as D
 
     if not spec["share"]:
         D.share_the_default_group = lambda **kw: contextlib.nullcontext()  # type: ignore[assignment]

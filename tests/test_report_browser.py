@@ -139,7 +139,7 @@ def test_wandb_offline_run_holds_the_history_and_tensorboard_the_same_values(run
 @pytest.mark.skipif(TMUX is None, reason="needs tmux (scripts/install-test-deps.sh)")
 def test_status_watch_redraws_in_place_in_a_terminal(run_dir: Path, tmp_path: Path) -> None:
     """A stage marked running: --watch redraws one screen in place and shows new metrics lines."""
-    from pipeline.ledger import Ledger
+    from pipeline.records.ledger import Ledger
 
     run = tmp_path / "live"
     shutil.copytree(run_dir / "ledger", run / "ledger")

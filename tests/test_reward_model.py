@@ -18,8 +18,8 @@ WORKER = Path(__file__).resolve().parent / "reward_worker.py"
 
 
 def test_bradley_terry_by_hand() -> None:
-    from stages.engine.reward_model import bradley_terry
-    from stages.engine.steps import RewardStep
+    from engine.models.reward import bradley_terry
+    from engine.train.steps import RewardStep
 
     rewards = torch.tensor([[2.0, 0.0], [0.5, 1.5], [1.0, 1.0]])
     loss, correct, margin = bradley_terry(rewards)
@@ -32,7 +32,7 @@ def test_bradley_terry_by_hand() -> None:
 
 
 def test_separable_pairs_reach_zero_loss_and_full_accuracy() -> None:
-    from stages.engine.reward_model import bradley_terry
+    from engine.models.reward import bradley_terry
 
     r = torch.zeros(8, 2, requires_grad=True)
     opt = torch.optim.SGD([r], lr=1.0)
@@ -45,7 +45,7 @@ def test_separable_pairs_reach_zero_loss_and_full_accuracy() -> None:
 
 
 def test_last_index_reads_the_last_trained_label() -> None:
-    from stages.engine.reward_model import last_index
+    from engine.models.reward import last_index
 
     mask = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 0]], dtype=torch.float32)
     assert last_index(mask).tolist() == [2, 4, 0]
@@ -94,7 +94,7 @@ def test_reward_model_and_export_stages_through_the_cli(tmp_path: Path) -> None:
 
     from test_e2e import run_pipeline
 
-    from pipeline.ledger import Ledger
+    from pipeline.records.ledger import Ledger
 
     stages = "[data_prep,pretrain,sft,reward_model,rlhf,eval,export]"
     r = run_pipeline(

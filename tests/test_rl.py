@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from stages.engine.rl import (
+from engine.rl.algorithms import (
     GRPOStep,
     PromptStream,
     clipped_policy_loss,
@@ -109,7 +109,7 @@ class _Tok:
 
 
 def test_verifier_reward_checks_each_response_against_its_prompts_answer() -> None:
-    from stages.engine.rewards import make_reward
+    from engine.rl.rewards import make_reward
     from stages.tasks import is_correct
 
     reward = make_reward("verifier", tokenizer=_Tok(), answers={(5,): "12", (6,): "3"}, check=is_correct)
@@ -132,7 +132,7 @@ def test_verifier_reward_checks_each_response_against_its_prompts_answer() -> No
     ],
 )
 def test_grpo_config_is_validated(overrides: list[str], message: str) -> None:
-    from pipeline.config import ConfigError, load_config
+    from pipeline.schema.config import ConfigError, load_config
 
     assert load_config(["rlhf=grpo"]).rlhf.algorithm == "grpo"
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -140,7 +140,7 @@ def test_grpo_config_is_validated(overrides: list[str], message: str) -> None:
 
 
 def test_gae_by_hand() -> None:
-    from stages.engine.rl import gae
+    from engine.rl.algorithms import gae
 
     rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 5.0]])
     values = torch.tensor([[0.5, 0.6, 0.7], [1.0, 1.0, 9.0]])
@@ -160,7 +160,7 @@ def test_gae_by_hand() -> None:
 
 
 def test_clipped_value_loss_and_value_step_by_hand() -> None:
-    from stages.engine.rl import ValueStep, clipped_value_loss
+    from engine.rl.algorithms import ValueStep, clipped_value_loss
 
     values = torch.tensor([[1.0, 0.0, 2.0, 0.5]])
     old = torch.tensor([[0.5, 0.5, 1.0, 0.4]])
@@ -184,7 +184,7 @@ def test_clipped_value_loss_and_value_step_by_hand() -> None:
 
 
 def test_token_rewards_and_gae_on_rollout_rows_by_hand() -> None:
-    from stages.engine.rl import gae, masked_whiten, token_rewards
+    from engine.rl.algorithms import gae, masked_whiten, token_rewards
 
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]])  # responses after 1 and 2 prompt tokens
     logp = torch.tensor([[-9.0, -1.0, -2.0, -9.0], [-9.0, -9.0, -0.5, -9.0]])
@@ -206,7 +206,7 @@ def test_token_rewards_and_gae_on_rollout_rows_by_hand() -> None:
 
 
 def test_ppo_step_loss_by_hand() -> None:
-    from stages.engine.rl import PPOStep
+    from engine.rl.algorithms import PPOStep
 
     logp = torch.log(torch.tensor([[0.9, 0.5, 0.25]]))
     batch = {
@@ -223,7 +223,7 @@ def test_ppo_step_loss_by_hand() -> None:
 
 
 def test_ppo_config_and_a_wrong_algorithm_lists_the_choices() -> None:
-    from pipeline.config import ConfigError, load_config
+    from pipeline.schema.config import ConfigError, load_config
 
     cfg = load_config(["rlhf=ppo"]).rlhf
     assert (cfg.algorithm, cfg.gamma, cfg.lam, cfg.value_clip) == ("ppo", 1.0, 0.95, 0.2)

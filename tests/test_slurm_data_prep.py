@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from slurm_helpers import TINY, fail_text, pipeline, run_dirs, wait_settled
 
-from stages.engine.data import read_manifest
+from engine.data.datasets import read_manifest
 
 pytestmark = pytest.mark.slurm
 

@@ -41,8 +41,8 @@ from slurm_helpers import (
     wait_settled,
 )
 
-from pipeline.ledger import Ledger
-from pipeline.status import run_status
+from pipeline.records.ledger import Ledger
+from pipeline.reporting.status import run_status
 
 pytestmark = pytest.mark.slurm
 
@@ -163,7 +163,7 @@ def _wait_hung_before_step(cluster: Any, run_dir: Path, job: str) -> list[str]:
 
 
 def _pretrain_states_until_settled(run_dir: Path, deadline_s: float) -> dict[str, float]:
-    """Poll pipeline.status until the graph settles; {pretrain state: first time seen} along the way."""
+    """Poll pipeline.reporting.status until the graph settles; {pretrain state: first time seen} along the way."""
     seen: dict[str, float] = {}
 
     def settled() -> bool:
@@ -191,7 +191,7 @@ def _check_rerun_avoided_the_dead_node(run_dir: Path, victim: str) -> None:
 
 
 def _check_resume_and_accounting(cluster: Any, run_dir: Path, job: str) -> None:
-    """The rerun resumed from the checkpoint before the kill; ledger and ``pipeline.status`` account for it."""
+    """The rerun resumed from the checkpoint before the kill; ledger and ``pipeline.reporting.status`` account for it."""
     [resume] = [m for m in _metrics(run_dir) if m["kind"] == "resume"]
     lost = HANG_AT - 1 - LAST_SAVE_BEFORE_KILL
     assert (resume["from_step"], resume["reached_step"], resume["steps_lost"]) == (
@@ -214,7 +214,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
-    from stages.engine.checkpoint import find_latest, load_tensors
+    from engine.checkpoint.checkpointer import find_latest, load_tensors
 
     latest = find_latest(run_dir / "stages" / "pretrain" / "checkpoints", collective=False)
     assert latest is not None and latest.name == f"iter_{ITERS:07d}", latest

@@ -1,7 +1,7 @@
 """``cluster=slurm`` for real: the stage graph on the local SLURM cluster (tests/slurm_cluster.py).
 
 Every test runs ``python -m pipeline ... cluster=slurm`` as a subprocess with the cluster's environment
-(SLURM_CONF) and without PYTHONPATH, then polls ``pipeline.status`` with generous deadlines (2 cores shared
+(SLURM_CONF) and without PYTHONPATH, then polls ``pipeline.reporting.status`` with generous deadlines (2 cores shared
 with other work: stage times vary by a factor of 3). ``experiment=tiny`` with checkpoints only at the end.
 """
 
@@ -29,9 +29,9 @@ from slurm_helpers import (
     wait_settled,
 )
 
-from pipeline.graph import DEFAULT_STAGES as STAGES
-from pipeline.ledger import Ledger
-from pipeline.status import run_status
+from pipeline.records.ledger import Ledger
+from pipeline.reporting.status import run_status
+from pipeline.schema.graph import DEFAULT_STAGES as STAGES
 
 pytestmark = pytest.mark.slurm
 

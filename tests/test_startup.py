@@ -1,4 +1,4 @@
-"""Start-up of a stage's job: what megatron.core's import costs it (stages.engine.distributed.import_megatron)."""
+"""Start-up of a stage's job: what megatron.core's import costs it (engine.runtime.distributed.import_megatron)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _PROBE = """
 import json, sys, torch
-from stages.engine import distributed as D
+from engine.runtime import distributed as D
 real = torch.compile
 D.import_megatron()
 from megatron.core.fusions import fused_bias_geglu as g

@@ -23,7 +23,7 @@ MODEL = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "seq_leng
 
 def launch(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
     """The worker as one rank on a free port; its result (the log on failure)."""
-    from stages.engine.distributed import free_port
+    from engine.runtime.distributed import free_port
 
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps({**spec, "out": str(tmp / "result.json")}))
@@ -57,13 +57,13 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from test_checkpoint_megatron import snapshot
 
-    from pipeline.config import ModelConfig, ParallelConfig, TrainStage
-    from stages.engine import checkpoint
-    from stages.engine import distributed as D
-    from stages.engine.model import build_model
-    from stages.engine.steps import make_step
-    from stages.engine.synthetic import SyntheticSource
-    from stages.engine.trainer import Trainer, build_optimizer
+    from engine.checkpoint import checkpointer as checkpoint
+    from engine.models.gpt import build_model
+    from engine.runtime import distributed as D
+    from engine.testing.synthetic import SyntheticSource
+    from engine.train.steps import make_step
+    from engine.train.trainer import Trainer, build_optimizer
+    from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
 
     model_cfg, par = ModelConfig(**MODEL), ParallelConfig(micro_batch_size=2, global_batch_size=4)
     stage = TrainStage(parallel=par, iters=4, warmup_iters=1, threads=1, log_interval=1)

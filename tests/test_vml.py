@@ -1,9 +1,9 @@
-"""stages.engine.vml: a rank's first multi-threaded ``torch.exp`` equals its second (MKL VML's first-call race).
+"""engine.runtime.vml: a rank's first multi-threaded ``torch.exp`` equals its second (MKL VML's first-call race).
 
 The race needs a fresh process each time (the dispatch is resolved once per process), so each case runs
 the probe below in new subprocesses, two at a time: two threads busy with GEMMs and softmaxes first (as a
 rank is after generation), then ``exp`` over a [4, 32, 512] block twice. Without the warm-up about one probe
-in three came back with half its elements different here; through ``stages.engine.distributed.init`` (which
+in three came back with half its elements different here; through ``engine.runtime.distributed.init`` (which
 warms) every probe must be clean. The cold count is printed, not asserted (a race may hide on a given run).
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.engine import vml
-from stages.engine.distributed import free_port
+from engine.runtime import vml
+from engine.runtime.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBES = 10
@@ -27,7 +27,7 @@ PROBES = 10
 _PROBE = """
 import sys, torch
 if sys.argv[1] == "init":
-    from stages.engine import distributed as D
+    from engine.runtime import distributed as D
     D.init(threads=2)
 else:
     torch.set_num_threads(2)

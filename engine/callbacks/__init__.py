@@ -1,0 +1,1 @@
+"""Logging sinks and alarms: callbacks of the training loop (their protocol: engine.train.callback)."""

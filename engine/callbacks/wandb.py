@@ -1,0 +1,77 @@
+"""Weights & Biases sink (optional: ``pip install .[wandb]``), rank 0 only.
+
+One W&B run per stage, grouped by the run directory's name; the run id is kept in
+``<stage dir>/wandb/run_id``, so a resumed stage continues the same W&B run. Without credentials
+(no ``WANDB_API_KEY``, no ``WANDB_MODE``) it runs offline: ``wandb sync <stage dir>/wandb/offline-run-*``
+uploads it later.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from engine.callbacks.tensorboard import scalars
+from engine.train.callback import Callback, StepView
+from pipeline.records.files import atomic_write_text
+
+
+def mode() -> str:
+    """WANDB_MODE if set, else online with an API key, else offline."""
+    return os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+
+
+class WandB(Callback):
+    def __init__(self, out_dir: Path, project: str, group: str, name: str, config: Mapping[str, Any]) -> None:
+        self.dir = Path(out_dir) / "wandb"
+        self.project, self.group, self.name, self.config = project, group, name, dict(config)
+        self.run: Any = None
+
+    def run_id(self) -> str:
+        """The stage's W&B run id: stored on first use, reused on resume."""
+        path = self.dir / "run_id"
+        if path.exists():
+            return path.read_text().strip()
+        rid = uuid.uuid4().hex[:12]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, rid + "\n")
+        return rid
+
+    def on_train_start(self, view: StepView) -> None:
+        import wandb
+
+        rid = self.run_id()
+        self.run = wandb.init(
+            project=self.project,
+            group=self.group,
+            name=self.name,
+            job_type=self.name,
+            id=rid,
+            resume="allow",
+            dir=str(self.dir.parent),
+            config=self.config,
+            mode=mode(),  # type: ignore[arg-type]
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def _log(self, prefix: str, view: StepView) -> None:
+        if self.run is not None:
+            self.run.log({f"{prefix}/{k}": v for k, v in scalars(view.metrics).items()}, step=view.step)
+
+    def on_step_end(self, view: StepView) -> None:
+        if view.logged:
+            self._log("train", view)
+
+    def on_eval(self, view: StepView) -> None:
+        self._log("valid", view)
+
+    def on_save(self, view: StepView) -> None:
+        self._log("checkpoint", view)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None

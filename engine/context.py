@@ -1,0 +1,57 @@
+"""What a stage job receives besides its config: where to write, what it reads, how it is laid out."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.schema.layout import ParallelPlan
+
+
+@dataclass
+class StageContext:
+    """Arguments of ``stages.<name>.main(cfg, ctx)``; built by the job runner (pipeline.submit.launch)."""
+
+    run_dir: Path
+    """The run directory (shared by all nodes)."""
+    stage: str
+    """This stage's name."""
+    out_dir: Path
+    """run_dir/stages/<stage>: the stage writes only here."""
+    inputs: dict[str, Path] = field(default_factory=dict)
+    """out_dir of each completed upstream stage, by stage name."""
+    plan: ParallelPlan | None = None
+    """The derived parallel layout of this stage."""
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out_dir / "metrics.jsonl"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to a stage's metrics file (rank 0 only writes)."""
+
+    def __init__(self, path: Path, enabled: bool = True) -> None:
+        self.path = path
+        self.enabled = enabled
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"time": time.time(), **record}
+        line = json.dumps(record, default=float) + "\n"
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)

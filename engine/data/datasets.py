@@ -1,0 +1,443 @@
+"""Data for the engine: the tokenizer, sample sources for each kind of training, the global sample index.
+
+A *sample source* is any object with ``__len__`` (samples per epoch) and ``__getitem__(i)`` returning a
+dict of numpy arrays. Every ``i >= 0`` is valid: index ``i`` falls in epoch ``i // len`` and position
+``i % len`` of that epoch's seeded permutation, so the sample at a given global index is the same on
+every rank, every layout and every resume (see :func:`sample_range` and docs/ARCHITECTURE.md).
+
+Sources and their items (``seq`` = sequence length):
+
+- :func:`pretrain_source` / :func:`valid_source`: megatron-core ``GPTDataset`` over the indexed text
+  datasets written by data_prep. ``tokens``, ``labels`` int64 [seq], ``loss_mask`` float32 [seq] (0 on
+  pad), ``position_ids`` int64 [seq].
+- :func:`sft_source`: ``<|user|>{prompt}<|assistant|>{response}<|endoftext|>``; ``tokens``, ``labels``
+  (shifted by one), ``loss_mask`` (1 exactly where the label is a response token or the closing eod),
+  ``position_ids``; padded with the pad id (mask 0), truncated on the right when too long (counted in
+  ``source.num_truncated``, warned once). ``pack=True`` puts several short examples in a row.
+- :func:`preference_source`: the same for (chosen, rejected) pairs, every array shaped [2, seq] with
+  row 0 = chosen, row 1 = rejected.
+
+megatron's dataset builder works with or without ``torch.distributed``: without it each process builds
+(and caches) its own indices; with it, global rank 0 builds the cache first and every other rank reads
+it after a barrier, so *all ranks must call* :func:`pretrain_source` / :func:`valid_source` together.
+The index cache lives in ``<data dir>/cache``.
+
+Nothing heavy is imported at module level (megatron, torch and tokenizers load on first use).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.records.files import sha256_file  # noqa: F401  (re-exported for data_prep)
+
+SPECIAL_TOKENS: dict[str, str] = {
+    "eod": "<|endoftext|>",
+    "pad": "<|pad|>",
+    "user": "<|user|>",
+    "assistant": "<|assistant|>",
+}
+"""Special tokens by role, in the order they are created (ids 0..3 for a tokenizer trained by data_prep)."""
+
+MANIFEST = "manifest.json"
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+class Tokenizer:
+    """A HF ``tokenizers`` tokenizer with the pipeline's special-token ids.
+
+    Usable as megatron's dataset tokenizer (``vocab_size``, ``eod``, ``pad``, ``unique_identifiers``).
+    ``special`` maps roles to token strings: the pipeline's :data:`SPECIAL_TOKENS` by default (every role
+    required); a Hugging Face tokenizer used unchanged (:func:`hf_special_tokens`) has ``eod`` = its eos token,
+    ``pad`` = its pad token (else the eos token; pad positions never count) and no ``user``/``assistant``
+    tokens: its data is rendered with its chat template (engine.data.chat), not with :meth:`prompt_ids`.
+    """
+
+    def __init__(self, hf: Any, source: str = "", special: dict[str, str] | None = None) -> None:
+        self.hf = hf
+        self.source = source
+        roles = special or SPECIAL_TOKENS
+        ids: dict[str, int] = {}
+        for role, token in roles.items():
+            tid = hf.token_to_id(token)
+            if tid is None:
+                raise ValueError(f"tokenizer {source or '<in memory>'} lacks the special token {token!r}")
+            ids[role] = tid
+        if special:  # a published tokenizer may still hold the pipeline's role tokens
+            for role in ("user", "assistant"):
+                tid = hf.token_to_id(SPECIAL_TOKENS[role])
+                if role not in ids and tid is not None:
+                    ids[role], roles = tid, {**roles, role: SPECIAL_TOKENS[role]}
+        self.special_tokens = dict(roles)
+        self.special_ids = ids
+        self.eod: int = ids["eod"]
+        self.pad: int = ids["pad"]
+        self.user: int | None = ids.get("user")
+        self.assistant: int | None = ids.get("assistant")
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        digest = hashlib.sha256(hf.to_str().encode()).hexdigest()[:16]
+        self.unique_identifiers: OrderedDict[str, Any] = OrderedDict(
+            [("class", "ByteLevelBPE"), ("sha256", digest), ("vocab_size", self.vocab_size)]
+        )
+
+    @property
+    def eos(self) -> int:
+        return self.eod
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(e.ids) for e in self.hf.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``; special tokens are kept as their text."""
+        return str(self.hf.decode([int(i) for i in ids], skip_special_tokens=False))
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """``<|user|>{prompt}<|assistant|>``: what a model sees before it writes a response."""
+        if self.user is None or self.assistant is None:
+            raise ValueError(
+                f"tokenizer {self.source or '<in memory>'} has no <|user|>/<|assistant|> tokens: render "
+                "prompts with its chat template (data_prep's *_chat.jsonl files)"
+            )
+        return [self.user, *self.encode(prompt), self.assistant]
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token in tokenizer_config.json / special_tokens_map.json: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def hf_special_tokens(tokenizer_dir: str | Path) -> dict[str, str] | None:
+    """Roles of a Hugging Face tokenizer directory used unchanged: ``{"eod": eos, "pad": pad or eos}`` plus
+    ``bos`` when it has one (the pipeline's ``user``/``assistant`` tokens are looked up by Tokenizer).
+
+    None when the directory names no eos token (tokenizer_config.json, else special_tokens_map.json): then
+    the tokenizer is the pipeline's kind and must hold :data:`SPECIAL_TOKENS`.
+    """
+    d = Path(tokenizer_dir)
+    cfg: dict[str, Any] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        if (d / name).is_file():
+            data = json.loads((d / name).read_text())
+            cfg |= {k: v for k, v in data.items() if _token_text(v)}
+    eos = _token_text(cfg.get("eos_token"))
+    if eos is None:
+        return None
+    out = {"eod": eos, "pad": _token_text(cfg.get("pad_token")) or eos}
+    if _token_text(cfg.get("bos_token")):
+        out["bos"] = str(_token_text(cfg.get("bos_token")))
+    return out
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load ``tokenizer.json`` (a file, or a directory holding one).
+
+    A ``tokenizer_config.json`` next to it naming an eos token makes it a Hugging Face tokenizer used
+    unchanged (:func:`hf_special_tokens`); otherwise the pipeline's role tokens are required.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise ValueError(f"tokenizer file not found: {p}")
+    try:
+        hf = HFTokenizer.from_file(str(p))
+    except Exception as e:  # tokenizers raises its own Exception type
+        raise ValueError(f"tokenizer file {p} is not a valid tokenizers JSON: {e}") from e
+    return Tokenizer(hf, source=str(p), special=hf_special_tokens(p.parent))
+
+
+def read_manifest(data_dir: str | Path, verify: bool = True) -> dict[str, Any]:
+    """data_prep's manifest; with ``verify``, check every listed file's size and sha256 (ValueError if not)."""
+    d = Path(data_dir)
+    path = d / MANIFEST
+    if not path.is_file():
+        raise ValueError(f"{path}: no manifest, so data_prep did not complete in {d}")
+    manifest: dict[str, Any] = json.loads(path.read_text())
+    if verify:
+        for name, info in manifest["files"].items():
+            f = d / name
+            if not f.is_file() or f.stat().st_size != info["bytes"] or sha256_file(f) != info["sha256"]:
+                raise ValueError(f"{f}: missing or does not match its checksum in {path}")
+    return manifest
+
+
+# ---------------------------------------------------------------------------- sources
+
+
+class EpochSource:
+    """``n`` base samples repeated in epochs, each epoch in its own seeded permutation; any ``i >= 0``."""
+
+    def __init__(self, n: int, fetch: Callable[[int], dict[str, np.ndarray]], seed: int, name: str) -> None:
+        if n <= 0:
+            raise ValueError(f"{name}: no samples")
+        self.n = n
+        self.fetch = fetch
+        self.seed = seed
+        self.name = name
+        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            self._perms[epoch] = perm
+            if len(self._perms) > 2:
+                self._perms.popitem(last=False)
+        return perm
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        i = int(i)
+        if i < 0:
+            raise IndexError(f"{self.name}: sample index {i} < 0")
+        epoch, j = divmod(i, self.n)
+        return self.fetch(int(self._perm(epoch)[j]))
+
+
+def _gpt_dataset(
+    prefix: Path, tokenizer: Tokenizer, seq_length: int, num_samples: int | None, seed: int, split: int
+) -> Any:
+    """A megatron GPTDataset over one indexed dataset, built as split ``split`` (0 train, 1 valid)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    prefix = Path(prefix)
+    for ext in (".bin", ".idx"):
+        if not prefix.with_name(prefix.name + ext).is_file():
+            raise ValueError(f"indexed dataset {prefix}{ext} not found")
+    blends: list[Any] = [None, None, None]
+    blends[split] = ([str(prefix)], None)
+    sizes: list[int | None] = [None, None, None]
+    sizes[split] = num_samples
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend_per_split=blends,
+        path_to_cache=str(prefix.parent / "cache"),
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    return built[split]
+
+
+def _gpt_source(ds: Any, seed: int, name: str) -> EpochSource:
+    def fetch(j: int) -> dict[str, np.ndarray]:
+        item = ds[j]
+        return {
+            "tokens": item["tokens"].numpy().astype(np.int64),
+            "labels": item["labels"].numpy().astype(np.int64),
+            "loss_mask": item["loss_mask"].numpy().astype(np.float32),
+            "position_ids": item["position_ids"].numpy().astype(np.int64),
+        }
+
+    if ds is None or len(ds) == 0:
+        raise ValueError(f"{name}: the dataset yields no sample of this sequence length")
+    return EpochSource(len(ds), fetch, seed, name)
+
+
+def pretrain_source(
+    prefix: Path, tokenizer: Tokenizer, seq_length: int, num_samples: int, seed: int
+) -> EpochSource:
+    """Pretraining samples from ``prefix``.bin/.idx (e.g. ``<data>/text_train``), at least ``num_samples`` per epoch."""
+    ds = _gpt_dataset(Path(prefix), tokenizer, seq_length, num_samples, seed, split=0)
+    return _gpt_source(ds, seed, f"pretrain_source({prefix})")
+
+
+def valid_source(prefix: Path, tokenizer: Tokenizer, seq_length: int, seed: int) -> EpochSource | None:
+    """Validation samples from ``prefix`` (e.g. ``<data>/text_valid``): one pass over its tokens per epoch.
+
+    None when the dataset holds no tokens (``data.valid_fraction=0``).
+    """
+    bin_path = Path(f"{prefix}.bin")
+    if bin_path.is_file() and bin_path.stat().st_size == 0:
+        return None
+    ds = _gpt_dataset(Path(prefix), tokenizer, seq_length, None, seed, split=1)
+    return _gpt_source(ds, seed, f"valid_source({prefix})")
+
+
+def read_jsonl(path: Path, keys: Sequence[str]) -> list[dict[str, str]]:
+    """Records of a JSON-lines file, each checked to hold string ``keys`` (ValueError naming file and line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: file not found")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            for k in keys:
+                if not isinstance(rec.get(k), str):
+                    raise ValueError(f"{path}:{n}: field {k!r} missing or not a string")
+            out.append(rec)
+    if not out:
+        raise ValueError(f"{path}: no records")
+    return out
+
+
+def encode_example(
+    tokenizer: Tokenizer, prompt_ids: list[int], response_ids: list[int], seq_length: int
+) -> tuple[dict[str, np.ndarray], bool]:
+    """One templated example as (arrays of length ``seq_length``, truncated?).
+
+    ``prompt_ids`` already holds ``<|user|>...<|assistant|>``; the eod is appended to the response.
+    """
+    ids = prompt_ids + response_ids + [tokenizer.eod]
+    loss = [0] * len(prompt_ids) + [1] * (len(response_ids) + 1)
+    truncated = len(ids) > seq_length + 1
+    return _row(ids[: seq_length + 1], loss[: seq_length + 1], seq_length, tokenizer.pad), truncated
+
+
+def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _warn_truncated(name: str, count: int, total: int, seq_length: int) -> None:
+    if count:
+        warnings.warn(
+            f"{name}: {count} of {total} examples longer than seq_length={seq_length} were truncated",
+            stacklevel=3,
+        )
+
+
+def sft_source(
+    jsonl_path: Path, tokenizer: Tokenizer, seq_length: int, seed: int, pack: bool = False
+) -> EpochSource:
+    """SFT samples from ``{"prompt", "response"}`` lines; loss on response tokens and the closing eod.
+
+    Default: one example per row. With ``pack`` (``sft.pack_examples``) consecutive examples of the file
+    share a row while they fit, each one complete (``<|user|>...<|assistant|>...<|endoftext|>``), so short
+    examples do not waste the row on padding; a sample is then a row, not an example. Packed rows carry
+    ``position_ids`` that restart at 0 for each example and ``segment_ids`` (the example's number in the
+    row; padding is one more segment), from which the step builds a block-diagonal causal attention mask:
+    each example sees only itself, so its loss is the one it has alone in a row
+    (tests/test_attention.py). With RoPE the positions are not used, but the scores depend only on
+    relative positions within the example, so the result is the same.
+    """
+    recs = read_jsonl(jsonl_path, ("prompt", "response"))
+    prompts = tokenizer.encode_batch([r["prompt"] for r in recs])
+    responses = tokenizer.encode_batch([r["response"] for r in recs])
+    rows: list[dict[str, np.ndarray]] = []
+    cur_ids: list[int] = []
+    cur_loss: list[int] = []
+    cur_starts: list[int] = []
+    truncated = 0
+
+    def flush() -> None:
+        if cur_ids:
+            rows.append(_row(cur_ids, cur_loss, seq_length, tokenizer.pad, cur_starts if pack else None))
+            cur_ids.clear()
+            cur_loss.clear()
+            cur_starts.clear()
+
+    for p, r in zip(prompts, responses):
+        ids = [tokenizer.user, *p, tokenizer.assistant, *r, tokenizer.eod]
+        loss = [0] * (len(p) + 2) + [1] * (len(r) + 1)
+        if len(ids) > seq_length + 1:
+            ids, loss, truncated = ids[: seq_length + 1], loss[: seq_length + 1], truncated + 1
+        if not pack or len(cur_ids) + len(ids) > seq_length + 1:
+            flush()
+        cur_starts.append(len(cur_ids))
+        cur_ids += ids
+        cur_loss += loss
+    flush()
+    _warn_truncated(str(jsonl_path), truncated, len(recs), seq_length)
+    arrays = _stack(rows)
+    source = EpochSource(
+        len(rows), lambda j: {k: v[j] for k, v in arrays.items()}, seed, f"sft_source({jsonl_path})"
+    )
+    source.num_truncated = truncated  # type: ignore[attr-defined]
+    source.num_examples = len(recs)  # type: ignore[attr-defined]
+    return source
+
+
+def _row(
+    ids: list[int], loss: list[int], seq_length: int, pad: int, starts: list[int] | None = None
+) -> dict[str, np.ndarray]:
+    """Arrays of one row from token ids and per-id loss flags (label j is ids[j + 1]).
+
+    ``starts``: offsets of the packed examples in ``ids``; adds ``segment_ids`` and restarts
+    ``position_ids`` per example (see ``sft_source``).
+    """
+    n = len(ids) - 1
+    tokens = np.full(seq_length, pad, dtype=np.int64)
+    labels = np.full(seq_length, pad, dtype=np.int64)
+    mask = np.zeros(seq_length, dtype=np.float32)
+    tokens[:n], labels[:n], mask[:n] = ids[:-1], ids[1:], loss[1:]
+    row = {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": mask,
+        "position_ids": np.arange(seq_length, dtype=np.int64),
+    }
+    if starts is not None:
+        segments = np.full(seq_length, len(starts), dtype=np.int64)
+        bounds = [*starts, n]
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            segments[a:b] = i
+            row["position_ids"][a:b] = np.arange(b - a)
+        row["position_ids"][n:] = np.arange(seq_length - n)
+        row["segment_ids"] = segments
+    return row
+
+
+def preference_source(jsonl_path: Path, tokenizer: Tokenizer, seq_length: int, seed: int) -> EpochSource:
+    """DPO samples from ``{"prompt", "chosen", "rejected"}`` lines: arrays [2, seq], row 0 chosen, row 1 rejected."""
+    recs = read_jsonl(jsonl_path, ("prompt", "chosen", "rejected"))
+    prompts = tokenizer.encode_batch([r["prompt"] for r in recs])
+    chosen = tokenizer.encode_batch([r["chosen"] for r in recs])
+    rejected = tokenizer.encode_batch([r["rejected"] for r in recs])
+    rows, truncated = [], 0
+    for p, c, r in zip(prompts, chosen, rejected):
+        pids = [tokenizer.user, *p, tokenizer.assistant]
+        row_c, cut_c = encode_example(tokenizer, pids, c, seq_length)
+        row_r, cut_r = encode_example(tokenizer, pids, r, seq_length)
+        rows.append(_stack([row_c, row_r]))
+        truncated += cut_c or cut_r
+    _warn_truncated(str(jsonl_path), truncated, len(recs), seq_length)
+    arrays = _stack(rows)
+    source = EpochSource(
+        len(recs), lambda j: {k: v[j] for k, v in arrays.items()}, seed, f"preference_source({jsonl_path})"
+    )
+    source.num_truncated = truncated  # type: ignore[attr-defined]
+    return source
+
+
+# ---------------------------------------------------------------------------- global sample index
+
+
+def sample_range(step: int, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> range:
+    """Global sample indices of data-parallel rank ``dp_rank`` at ``step``: a contiguous slice of the global batch."""
+    if global_batch_size % dp_size:
+        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by dp={dp_size}")
+    per_rank = global_batch_size // dp_size
+    start = step * global_batch_size + dp_rank * per_rank
+    return range(start, start + per_rank)
+
+
+def collate(items: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Stack samples into a batch (leading batch dimension)."""
+    return _stack(list(items))

@@ -1,0 +1,208 @@
+"""What every training stage does around the loop: layout, model, optimizer, init_from, resume, shutdown.
+
+``train_stage(cfg, ctx, step=..., sources=...)`` is the body of stages/pretrain.py, sft.py and rlhf.py;
+``sources(tokenizer, stage, seq_length, chunks, checkpointer)`` returns ``(train_source, valid_source)``
+after distributed init and model build. A stage whose step trains more than one sample source's worth
+(rlhf: DPO's reference, GRPO's rollouts) passes ``unit=`` instead: ``unit(env: StageEnv)`` returns
+``(TrainUnit, valid_source)`` (engine.train.units); ``env.frozen_model()`` builds a frozen copy of the model
+holding the stage's starting weights (init_from), through the same checkpointer the policy uses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.context import MetricsWriter, StageContext
+from pipeline.schema.config import PipelineConfig, TrainStage
+from pipeline.schema.graph import weights_upstream
+
+Sources = Callable[..., tuple[Any, Any]]
+
+
+@dataclass
+class StageEnv:
+    """What a unit factory (``train_stage(unit=...)``) gets: built after distributed init and the policy."""
+
+    cfg: PipelineConfig
+    ctx: StageContext
+    stage: TrainStage
+    tokenizer: Any
+    seq_length: int
+    policy: list[Any]
+    """The trained policy's chunks (its weights are loaded later, by the trainer's restore)."""
+    checkpointer: Any
+
+    def frozen_model(self, weights: str = "init_from") -> list[Any]:
+        """A frozen model of the same architecture and layout: ``init_from`` weights (the policy before
+        training; as built when the stage has no init_from), or ``built`` (as built: the seed's init)."""
+        from engine.models.gpt import build_model
+
+        chunks = build_model(self.cfg.model, self.stage.parallel, self.tokenizer.vocab_size, trainable=False)
+        if weights == "init_from":
+            self.checkpointer.load_init_weights(chunks)
+        return chunks
+
+
+def resolve_init_from(cfg: PipelineConfig, ctx: StageContext) -> Path | None:
+    """``<stage>.init_from``: auto = the upstream stage's checkpoints/, a path, or None (random init)."""
+    value = _stage_cfg(cfg, ctx.stage).init_from
+    key = f"{ctx.stage}.init_from"
+    if value is None or value in ("", "none", "null"):
+        return None
+    if value == "auto":
+        up = weights_upstream(ctx.stage)  # the one stage graph (pipeline.schema.graph.DEPENDS)
+        if up is None:
+            return None
+        if up not in ctx.inputs:
+            raise ValueError(f"{key}=auto: upstream stage {up!r} has no output directory in this run")
+        return ctx.inputs[up] / "checkpoints"
+    from pipeline.schema.hf_arch import parse_ref
+
+    path = parse_ref(value) or Path(value)
+    if not path.exists():
+        raise ValueError(f"{key}={value!r}: no such checkpoint directory")
+    return path
+
+
+def startup_record(marks: dict[str, float]) -> dict[str, Any]:
+    """``{"kind": "startup", "to_first_step_s", ...}``: seconds from the process's start (the job's, for a
+    stage's job) to the first training step, and the parts: interpreter and imports, distributed init,
+    model build, data and optimizer, checkpoint restore (marks: wall times at the end of each part)."""
+    try:
+        import psutil
+
+        t0 = psutil.Process().create_time()
+    except Exception:  # no psutil, no /proc: count from the first mark
+        t0 = marks["imports"]
+    names = {
+        "imports": "imports_s",
+        "init": "init_s",
+        "model": "model_s",
+        "data": "data_s",
+        "restore": "restore_s",
+    }
+    record: dict[str, Any] = {"kind": "startup", "to_first_step_s": round(time.time() - t0, 3)}
+    prev = t0
+    for key, name in names.items():
+        record[name] = round(marks[key] - prev, 3)
+        prev = marks[key]
+    return record
+
+
+def _stage_cfg(cfg: PipelineConfig, name: str) -> TrainStage:
+    st = cfg.stage(name)
+    if not isinstance(st, TrainStage):
+        raise ValueError(f"run.stages={name!r}: not a training stage")
+    return st
+
+
+def data_dir(ctx: StageContext) -> Path:
+    if "data_prep" not in ctx.inputs:
+        raise ValueError(f"{ctx.stage}: needs the data_prep stage's outputs (ctx.inputs['data_prep'])")
+    return ctx.inputs["data_prep"]
+
+
+def train_stage(
+    cfg: PipelineConfig,
+    ctx: StageContext,
+    *,
+    step: Any,
+    sources: Sources | None = None,
+    unit: Callable[[StageEnv], tuple[Any, Any]] | None = None,
+) -> dict[str, Any]:
+    """Run one training stage on this rank; returns rank-0 outputs (checkpoint, final_loss, steps, ...)."""
+    from engine.callbacks.setup import flops_per_step, peak_tflops, stage_callbacks
+    from engine.checkpoint.checkpointer import find_latest, set_verify_mode
+    from engine.data.datasets import load_tokenizer
+    from engine.models.gpt import build_model, num_parameters
+    from engine.runtime import distributed as D
+    from engine.runtime.fault_injection import FaultInjector
+    from engine.runtime.oom import oom_report
+    from engine.runtime.signals import StopFlag, Watchdog
+    from engine.train.meter import StepMeter
+    from engine.train.trainer import Checkpointer, Trainer, build_optimizer
+
+    st = _stage_cfg(cfg, ctx.stage)
+    par = st.parallel
+    plan = ctx.plan
+    started = {"imports": time.time()}
+    stop_flag = StopFlag().install()  # before init: a signal during start-up is not lost
+    watchdog = Watchdog(st.hang_timeout_s, max_requeues=cfg.cluster.max_requeues).start()
+    D.init(par.tp, par.pp, plan.vpp if plan else par.vpp, seed=st.seed, threads=st.threads)
+    set_verify_mode(st.checkpoint_verify)
+    started["init"] = time.time()
+    callbacks = None
+    try:
+        tokenizer = load_tokenizer(data_dir(ctx) / "tokenizer.json")
+        chunks = build_model(
+            cfg.model,
+            par,
+            tokenizer.vocab_size,
+            peft=getattr(st, "peft", None),
+            customize=getattr(step, "customize_model", None),
+        )
+        started["model"] = time.time()
+        optimizer, scheduler = build_optimizer(chunks, st, par)
+        ckpt = Checkpointer(
+            ctx.checkpoint_dir, st.save_interval, resolve_init_from(cfg, ctx), st.keep_last, st.async_save
+        )
+        ckpt.keep_incomplete = st.keep_incomplete
+        ckpt.peft = st.peft if st.peft.method == "lora" else None
+        seq_length = st.seq_length or cfg.model.seq_length
+        train_unit = None
+        if unit is not None:
+            env = StageEnv(cfg, ctx, st, tokenizer, seq_length, chunks, ckpt)
+            train_unit, valid_source = unit(env)
+            train_source = train_unit.source
+        elif sources is not None:
+            train_source, valid_source = sources(tokenizer, st, seq_length, chunks, ckpt)
+        else:
+            raise ValueError("train_stage: give sources or unit")
+        metrics = MetricsWriter(ctx.metrics_path, enabled=D.is_rank0())
+        callbacks = stage_callbacks(cfg, ctx, st, metrics, D.rank(), D.world_size())
+        flops = flops_per_step(cfg, st, seq_length, tokenizer.vocab_size, step.sequences_per_sample)
+        meter = StepMeter(flops, peak_tflops(cfg), D.world_size())
+        trainer = Trainer(
+            chunks,
+            optimizer,
+            scheduler,
+            step,
+            stage=st,
+            seq_length=seq_length,
+            train_source=train_source,
+            valid_source=valid_source,
+            unit=train_unit,
+            metrics=metrics,
+            checkpointer=ckpt,
+            faults=FaultInjector(ctx.out_dir, D.rank()),
+            stop_flag=stop_flag,
+            watchdog=watchdog,
+            callbacks=callbacks,
+            meter=meter,
+        )
+        started["data"] = time.time()
+        trainer.restore(
+            init_weights=not getattr(ckpt, "init_weights_loaded", False)
+        )  # reward_model loaded its backbone
+        started["restore"] = time.time()
+        if D.is_rank0():
+            metrics.write(startup_record(started))
+        with oom_report(cfg, ctx, metrics):
+            summary = trainer.fit()
+        latest = summary["checkpoint"] or find_latest(ctx.checkpoint_dir)
+        return {
+            **summary,
+            "checkpoint": str(latest) if latest else None,
+            "params_per_rank": num_parameters(chunks),
+            "init_from": str(ckpt.init_from) if ckpt.init_from else None,
+        }
+    finally:
+        if callbacks is not None:
+            callbacks.close()
+        watchdog.stop()
+        stop_flag.uninstall()
+        D.shutdown()

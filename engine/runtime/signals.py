@@ -1,0 +1,123 @@
+"""Signals have one owner: handlers only set a flag; the training loop saves at a step boundary.
+
+``StopFlag.install()`` replaces submitit's USR2 handler (which checkpoints inside the handler on rank 0
+only and ignores SIGTERM) for SIGUSR1, SIGUSR2 and SIGTERM. The loop all-reduces the flag every step
+(``distributed.any_rank``) so every rank stops at the same step, saves collectively, and rank 0 asks
+SLURM to requeue the job (``requeue_self``).
+
+``Watchdog`` is the hang detector: a daemon thread that, when the loop reports no progress for
+``timeout_s``, dumps every thread's stack to the log, asks SLURM for a requeue, and exits with
+``HANG_EXIT_CODE``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+
+from pipeline.slurm.job_env import in_slurm_job, requeue_self, restart_count  # noqa: F401  (re-exported)
+
+HANG_EXIT_CODE = 86
+"""Exit code of a rank the watchdog found hung (distinct from crashes and signals)."""
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+
+
+class Preempted(RuntimeError):
+    """Raised by the loop after it saved on a stop signal; the job runner records it and requeues."""
+
+
+class StopFlag:
+    """Set by SIGUSR1/SIGUSR2/SIGTERM; read by the loop at step boundaries."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> StopFlag:
+        if threading.current_thread() is not threading.main_thread():
+            return (
+                self  # signal handlers can only be set from the main thread (e.g. cluster=debug in a thread)
+            )
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+
+STACK_DUMP_SIGNAL = signal.SIGQUIT
+"""A training rank with a watchdog dumps every thread's stack to its log on this signal and goes on (the
+local launcher sends it to a job's other ranks before it ends them, so a hung sibling's stack is kept)."""
+
+HANG_HOOKS: list[Callable[[], None]] = []
+"""Called by a firing watchdog just before the exit (the local launcher ends the job's other ranks)."""
+
+
+class Watchdog:
+    """Exits the process with HANG_EXIT_CODE when ``beat()`` is not called for ``timeout_s`` seconds.
+
+    Armed by the first ``beat()`` (the training loop's first step), so a slow start-up is not a hang.
+    """
+
+    def __init__(self, timeout_s: float, *, max_requeues: int = 0, poll_s: float = 1.0) -> None:
+        self.timeout_s = timeout_s
+        self.max_requeues = max_requeues
+        self.poll_s = min(poll_s, max(timeout_s / 4, 0.05))
+        self._last: float | None = (
+            None  # armed by the first beat: start-up (imports, model build) is not a hang
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        if self.timeout_s > 0:
+            faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+            self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            if self._last is None:
+                continue
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s:
+                self._fire(idle)
+
+    def _fire(self, idle: float) -> None:
+        print(
+            f"[watchdog] no progress for {idle:.0f} s (limit {self.timeout_s:.0f} s): stacks follow",
+            flush=True,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        if in_slurm_job() and restart_count() < self.max_requeues:
+            requeue_self(f"hang detected after {idle:.0f} s without progress")
+        print(f"[watchdog] HangDetected: exiting with code {HANG_EXIT_CODE}", file=sys.stderr, flush=True)
+        for hook in HANG_HOOKS:
+            try:
+                hook()
+            except Exception as e:  # the exit below must happen whatever a hook does
+                print(f"[watchdog] hang hook failed: {e}", file=sys.stderr, flush=True)
+        os._exit(HANG_EXIT_CODE)

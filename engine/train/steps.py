@@ -1,0 +1,214 @@
+"""Training steps in megatron's ``forward_step_func(data_iterator, model) -> (output, loss_func)`` shape.
+
+The data iterator yields micro batches: dicts of CPU tensors stacked from sample-source items
+(``tokens``/``labels`` int64 and ``loss_mask`` float32 of shape [b, seq]; DPO: [b, 2, seq] plus ``ref_logp``
+float32 [b, 2]). ``loss_func(output)`` returns ``(loss_sum, num_tokens, {name: tensor([sum, count])})``:
+megatron (``calculate_per_token_loss=True``) divides the gradients by the global ``num_tokens``, and the
+trainer reports each logged metric as global sum / global count.
+
+Register new algorithms in ``STEPS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.runtime import distributed as D
+
+Batch = dict[str, torch.Tensor]
+LossOut = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+
+
+def _next_batch(data_iterator: Iterator[Batch]) -> Batch:
+    """The next micro batch, moved to the engine's device (engine.runtime.distributed.device)."""
+    dev = D.device()
+    return {k: v.to(dev, non_blocking=True) for k, v in next(data_iterator).items()}
+
+
+def _per_token_nll(
+    model: Any, tokens: torch.Tensor, labels: torch.Tensor, packed: Batch | None = None
+) -> torch.Tensor:
+    """Model output: per-token negative log-likelihood [b, s] on the last pipeline stage, else hidden states.
+
+    ``packed``: a batch of packed rows (``segment_ids`` present): its ``position_ids`` restart per example
+    and attention stays within each example (a block-diagonal causal mask).
+    """
+    b, s = tokens.shape
+    if packed is not None and "segment_ids" in packed:
+        from engine.models.attention import block_causal_mask
+
+        mask = block_causal_mask(packed["segment_ids"])
+        return model(tokens, packed["position_ids"], mask, labels=labels)
+    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    return model(tokens, position_ids, None, labels=labels)
+
+
+def _report(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return torch.stack([total.detach().float(), count.detach().float()])
+
+
+class PretrainStep:
+    """Next-token loss on tokens where ``loss_mask`` is 1 (the data shifts labels by one)."""
+
+    name = "pretrain"
+    sequences_per_sample = 1
+    metric_names: tuple[str, ...] = ("loss",)
+
+    def __call__(
+        self, data_iterator: Iterator[Batch], model: Any
+    ) -> tuple[torch.Tensor, Callable[..., LossOut]]:
+        batch = _next_batch(data_iterator)
+        output = _per_token_nll(model, batch["tokens"], batch["labels"], batch)
+        return output, partial(self.loss, batch["loss_mask"])
+
+    @staticmethod
+    def loss(loss_mask: torch.Tensor, output: torch.Tensor) -> LossOut:
+        mask = loss_mask.reshape(-1).float()
+        loss = torch.sum(output.reshape(-1).float() * mask)
+        num_tokens = mask.sum().to(torch.int)
+        return loss, num_tokens, {"loss": _report(loss, num_tokens)}
+
+
+class SFTStep(PretrainStep):
+    """Same code path as pretraining; the data's loss_mask covers response tokens only."""
+
+    name = "sft"
+
+
+class DPOStep:
+    """Direct preference optimisation against precomputed reference log-probs (``ref_logp``).
+
+    loss = -logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), log-probs summed over response tokens;
+    num_tokens = number of pairs. Chosen and rejected go through the model as one batch of 2b sequences.
+    """
+
+    name = "dpo"
+    sequences_per_sample = 2
+    metric_names: tuple[str, ...] = ("loss", "reward_margin", "pref_acc")
+
+    def __init__(self, beta: float = 0.1) -> None:
+        if beta <= 0:
+            raise ValueError(f"beta={beta}: must be > 0")
+        self.beta = beta
+
+    def __call__(
+        self, data_iterator: Iterator[Batch], model: Any
+    ) -> tuple[torch.Tensor, Callable[..., LossOut]]:
+        batch = _next_batch(data_iterator)
+        output = _per_token_nll(model, batch["tokens"].flatten(0, 1), batch["labels"].flatten(0, 1))
+        return output, partial(self.loss, batch["loss_mask"], batch["ref_logp"])
+
+    def loss(self, loss_mask: torch.Tensor, ref_logp: torch.Tensor, output: torch.Tensor) -> LossOut:
+        logp = sequence_logps(loss_mask, output)
+        margin = self.beta * ((logp[:, 0] - ref_logp[:, 0]) - (logp[:, 1] - ref_logp[:, 1]))
+        loss = -F.logsigmoid(margin).sum()
+        pairs = torch.tensor(logp.shape[0], dtype=torch.int, device=logp.device)
+        return (
+            loss,
+            pairs,
+            {
+                "loss": _report(loss, pairs),
+                "reward_margin": _report(margin.sum(), pairs),
+                "pref_acc": _report((margin > 0).float().sum(), pairs),
+            },
+        )
+
+
+def sequence_logps(loss_mask: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """Per-sequence log-prob summed over masked tokens: [b, 2] from per-token NLL [2b, s] and mask [b, 2, s]."""
+    b = loss_mask.shape[0]
+    return -(output.float().reshape(b, 2, -1) * loss_mask.float()).sum(-1)
+
+
+class ReferenceLogpStep(DPOStep):
+    """Forward-only pass of the frozen reference: logs the per-pair log-probs (``logps`` [b, 2])."""
+
+    name = "reference_logp"
+    metric_names: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__(beta=1.0)
+
+    def __call__(
+        self, data_iterator: Iterator[Batch], model: Any
+    ) -> tuple[torch.Tensor, Callable[..., LossOut]]:
+        batch = _next_batch(data_iterator)
+        output = _per_token_nll(model, batch["tokens"].flatten(0, 1), batch["labels"].flatten(0, 1))
+        return output, partial(self.logps, batch["loss_mask"])
+
+    @staticmethod
+    def logps(loss_mask: torch.Tensor, output: torch.Tensor) -> LossOut:
+        logp = sequence_logps(loss_mask, output).detach()
+        pairs = torch.tensor(logp.shape[0], dtype=torch.int, device=logp.device)
+        return logp.sum() * 0, pairs, {"logps": logp}
+
+
+class RewardStep:
+    """Bradley–Terry reward-model training: ``loss = -log sigmoid(r(chosen) - r(rejected))`` per pair, with
+    r the scalar head on the final hidden state at the last response token (``engine.models.reward``).
+
+    Chosen and rejected go through the model as one batch of 2b sequences; num_tokens = number of pairs.
+    ``customize_model`` adds the head (``train_stage`` passes it to ``build_model``).
+    """
+
+    name = "reward"
+    sequences_per_sample = 2
+    metric_names: tuple[str, ...] = ("loss", "accuracy", "margin")
+
+    @staticmethod
+    def customize_model(gpt: Any) -> Any:
+        from engine.models.reward import attach_head
+
+        return attach_head(gpt)
+
+    def __call__(
+        self, data_iterator: Iterator[Batch], model: Any
+    ) -> tuple[torch.Tensor, Callable[..., LossOut]]:
+        from engine.models.gpt import unwrap
+        from engine.models.reward import last_index, scores
+
+        batch = _next_batch(data_iterator)
+        tokens = batch["tokens"].flatten(0, 1)
+        b, s = tokens.shape
+        output = model(tokens, torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s), None)
+        gpt = unwrap(model)
+        if gpt.post_process:
+            output = scores(gpt, last_index(batch["loss_mask"].flatten(0, 1)))
+        return output, self.loss
+
+    @staticmethod
+    def loss(output: torch.Tensor) -> LossOut:
+        from engine.models.reward import bradley_terry
+
+        rewards = output.float().reshape(-1, 2)
+        loss, correct, margin = bradley_terry(rewards)
+        pairs = torch.tensor(rewards.shape[0], dtype=torch.int, device=rewards.device)
+        return (
+            loss,
+            pairs,
+            {
+                "loss": _report(loss, pairs),
+                "accuracy": _report(correct, pairs),
+                "margin": _report(margin, pairs),
+            },
+        )
+
+
+STEPS: dict[str, Callable[..., Any]] = {
+    "pretrain": PretrainStep,
+    "sft": SFTStep,
+    "dpo": DPOStep,
+    "reward": RewardStep,
+}
+
+
+def make_step(name: str, **kwargs: Any) -> Any:
+    """A step by name (``STEPS``), e.g. ``make_step("dpo", beta=0.1)``."""
+    if name not in STEPS:
+        raise ValueError(f"algorithm={name!r}: must be one of {sorted(STEPS)}")
+    return STEPS[name](**kwargs)

@@ -1,0 +1,856 @@
+"""The one training loop, shared by pretrain, SFT and DPO; the step (engine.train.steps) is pluggable.
+
+Per step: every data-parallel rank takes its slice of the global batch (the global sample index,
+docs/ARCHITECTURE.md), megatron's ``get_forward_backward_func()`` runs the micro batches (no pipelining,
+1F1B or interleaved), the megatron optimizer steps, the LR scheduler advances. Rank 0 writes the metrics
+lines of docs/ARCHITECTURE.md. ``Checkpointer`` adapts engine.checkpoint.checkpointer (resume, init_from, save
+every ``save_interval`` and at the end). Set ``trainer.stop_requested = True`` to stop at the next step
+boundary (with a checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from engine.context import MetricsWriter
+from engine.data.datasets import sample_range
+from engine.runtime import distributed as D
+from engine.runtime.fault_injection import FaultInjector
+from engine.runtime.signals import Preempted, StopFlag, Watchdog
+from engine.train.bad_steps import BadStepError, BadStepGuard, reason_code, reason_from_code
+from engine.train.callback import Callbacks
+from engine.train.meter import StepMeter
+from engine.train.steps import Batch, ReferenceLogpStep
+from engine.train.units import NamedModel, TrainUnit, micro_batches, run_micro_batches
+from pipeline.records.files import atomic_write_text
+from pipeline.schema.config import ParallelConfig, TrainStage
+
+__all__ = ["micro_batches", "run_micro_batches"]  # defined in engine.train.units, used here and by callers
+
+log = logging.getLogger(__name__)
+
+
+class SampleSource(Protocol):
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]: ...
+
+
+# ---------------------------------------------------------------------------- optimizer and schedule
+
+
+def build_optimizer(chunks: list[Any], stage: TrainStage, par: ParallelConfig) -> tuple[Any, Any]:
+    """megatron AdamW (+ loss scaling for fp16) and a linear-warmup, cosine-to-min_lr schedule (units: steps)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=stage.lr,
+        min_lr=stage.min_lr,
+        weight_decay=stage.weight_decay,
+        adam_beta1=stage.adam_beta1,
+        adam_beta2=stage.adam_beta2,
+        clip_grad=stage.clip_grad,
+        bf16=par.precision == "bf16",
+        fp16=par.precision == "fp16",
+        params_dtype=torch.float32,
+        use_distributed_optimizer=par.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, chunks)
+    # The schedules multiply the loss by the loss scale only through config.grad_scale_func (Megatron-LM's
+    # training loop sets it; megatron-core does not): without it fp16 gradients come out divided by the
+    # loss scale (2^32 at first) and the model does not learn.
+    from megatron.core.utils import get_model_config
+
+    get_model_config(chunks[0]).grad_scale_func = optimizer.scale_loss
+    fuse_cpu_adam(optimizer)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=stage.lr,
+        min_lr=stage.min_lr,
+        lr_warmup_steps=stage.warmup_iters,
+        lr_decay_steps=stage.iters,
+        lr_decay_style="cosine",
+        start_wd=stage.weight_decay,
+        end_wd=stage.weight_decay,
+        wd_incr_steps=stage.iters,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def fuse_cpu_adam(optimizer: Any) -> int:
+    """Switch megatron's torch AdamW fallback (no TE, no apex) to torch's fused kernel where its params are on CPU.
+
+    Without TE or apex megatron builds ``torch.optim.AdamW`` with torch's default for CPU parameters, a Python
+    loop over parameters of about ten tensor ops each; ``fused=True`` runs one C++ kernel per parameter with
+    the same update (equal within fp32 rounding). Measured with the 4.4x shape's 5.8M parameters, 2 threads:
+    9.4 ms -> 2.6 ms per step. GPU parameters keep torch's default. The flag lives in the param groups, which a
+    checkpoint's ``load_state_dict`` replaces, so a load post-hook sets it again. Returns the number of
+    torch optimizers switched.
+    """
+    switched = 0
+    for inner in _torch_optimizers(optimizer):
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or any(
+            p.device.type != "cpu" for g in inner.param_groups for p in g["params"]
+        ):
+            continue
+        _set_fused(inner)
+        inner.register_load_state_dict_post_hook(_set_fused)
+        switched += 1
+    return switched
+
+
+def _torch_optimizers(optimizer: Any) -> list[Any]:
+    chained = getattr(optimizer, "chained_optimizers", None)
+    return [getattr(o, "optimizer", None) for o in (chained if chained is not None else [optimizer])]
+
+
+def _set_fused(inner: Any) -> None:
+    for group in inner.param_groups:
+        if not group.get("differentiable"):
+            group["foreach"], group["fused"] = False, True
+
+
+# ---------------------------------------------------------------------------- data
+
+
+ATTEMPT_ENV = "PIPELINE_STAGE_ATTEMPT"
+"""Set by the launcher on rank 0: the stage's attempt number (1 = first start), for the resume record."""
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+class Checkpointer:
+    """Resume / init_from / periodic saves through engine.checkpoint.checkpointer (save, load_latest, load_weights)."""
+
+    def __init__(
+        self,
+        root: Path,
+        save_interval: int,
+        init_from: Path | None = None,
+        keep_last: int = 2,
+        async_save: bool = False,
+    ) -> None:
+        self.root = Path(root)
+        self.async_save = async_save
+        """Periodic saves in the background (final and forced saves stay synchronous)."""
+        self.finalize_seconds: list[float] = []
+        """Wall time of each ``finalize`` call that committed an async save (also a training stall)."""
+        self.save_interval = save_interval
+        self.keep_last = keep_last
+        self.init_from = Path(init_from) if init_from else None
+        self.last_saved: Path | None = None
+        self.save_seconds: list[float] = []
+        """Wall time of each save (the training stall)."""
+        self.failures = 0
+        self.max_failures = 3
+        """Consecutive failed saves that stop the run."""
+        self.keep_incomplete = 1
+        """Temp dirs of crashed saves kept (newest first); older ones are deleted at resume and after saves."""
+        self.peft: Any = None
+        """A PeftConfig with method=lora: checkpoints hold the adapters only, the base comes from init_from."""
+        self.base_loaded: Path | None = None
+        """The base weights loaded from init_from (recorded in a LoRA stage's checkpoints)."""
+
+    def restore(
+        self,
+        chunks: list[Any],
+        optimizer: Any,
+        scheduler: Any,
+        init_weights: bool = True,
+        models: dict[str, NamedModel] | None = None,
+    ) -> dict[str, Any] | None:
+        """Resume from the newest good checkpoint under root (full state, returned); else load init_from weights.
+
+        ``models``: the unit's other trained models (each restored from its own part of the checkpoint).
+        """
+        from engine.checkpoint import checkpointer as checkpoint
+
+        checkpoint.prune_incomplete(self.root, self.keep_incomplete)
+        found = checkpoint.load_latest(  # verified while it loads; a bad one is skipped for the one before
+            self.root,
+            # a LoRA checkpoint holds the adapters: the base comes from init_from
+            before_load=(lambda: self.load_init_weights(chunks)) if self.peft is not None else None,
+            model_chunks=chunks,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            models=_parts(models),
+        )
+        if found is not None:
+            return dict(found[1])
+        if init_weights:
+            self.load_init_weights(chunks)
+        return None
+
+    def load_init_weights(self, chunks: list[Any]) -> Path | None:
+        """Load the weights of init_from (a checkpoint directory, or a root holding them); None if unset."""
+        from engine.checkpoint import checkpointer as checkpoint
+
+        if self.init_from is None:
+            return None
+        from pipeline.schema.hf_arch import is_hf_dir
+
+        if is_hf_dir(self.init_from):  # a Hugging Face model directory (init_from=hf:<dir>)
+            from engine.models.hf_weights import load_hf
+            from pipeline.schema.hf_arch import model_config
+
+            load_hf(chunks, self.init_from, model_config(self.init_from))
+            self.base_loaded = self.init_from
+            return self.init_from
+        path = (
+            self.init_from
+            if (self.init_from / checkpoint.MARKER).is_file()
+            else checkpoint.find_latest(self.init_from)
+        )
+        if path is None:
+            raise ValueError(f"init_from={self.init_from}: no complete checkpoint there")
+        checkpoint.load_weights(path, chunks)
+        self.base_loaded = path
+        return path
+
+    def maybe_save(
+        self,
+        step: int,
+        final: bool,
+        force: bool,
+        chunks: list[Any],
+        optimizer: Any,
+        scheduler: Any,
+        state: dict,
+        models: dict[str, NamedModel] | None = None,
+    ) -> None:
+        """Save at every ``save_interval``, at the final step, and when ``force`` (a stop request).
+
+        A failed periodic save (disk full, permission denied) is logged and retried at the next interval;
+        ``max_failures`` failures in a row, or a failed final/forced save, stop the run.
+        """
+        if not (final or force or step % self.save_interval == 0):
+            return
+        from engine.checkpoint.checkpointer import WRITE_FAILURES
+
+        try:
+            self.save(
+                step,
+                chunks,
+                optimizer,
+                scheduler,
+                state,
+                final=final,
+                async_save=self.async_save and not force,
+                **({"models": models} if models else {}),  # subclasses written before models stay valid
+            )
+            self.failures = 0
+        except WRITE_FAILURES as e:  # CheckpointError, OSError, torch's CheckpointException (a full disk)
+            self._failed(e, give_up=final or force, step=step)
+
+    def _failed(self, e: BaseException, give_up: bool, step: int | None = None) -> None:
+        """Count a failed save; raise when it is the ``max_failures``-th in a row or ``give_up``."""
+        from engine.checkpoint.checkpointer import CheckpointError
+
+        self.failures += 1
+        where = f"at step {step}" if step is not None else "(async)"
+        log.error("checkpoint %s failed (%d in a row): %s: %s", where, self.failures, type(e).__name__, e)
+        if give_up or self.failures >= self.max_failures:
+            raise CheckpointError(
+                f"giving up after {self.failures} failed save(s) in a row; last: {type(e).__name__}: {e}"
+            ) from e
+
+    def save(
+        self,
+        step: int,
+        chunks: list[Any],
+        optimizer: Any,
+        scheduler: Any,
+        state: dict,
+        final: bool = False,
+        async_save: bool = False,
+        models: dict[str, NamedModel] | None = None,
+    ) -> Path:
+        from engine.checkpoint import checkpointer as checkpoint
+
+        t0 = time.time()
+        if self.peft is not None:
+            from engine.models.lora import PEFT_STATE_KEY, record
+
+            state = {**state, PEFT_STATE_KEY: record(self.peft, self.base_loaded)}
+        self.last_saved = checkpoint.save(
+            self.root,
+            step,
+            model_chunks=chunks,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            state=state,
+            keep_last=self.keep_last,
+            keep_incomplete=self.keep_incomplete,
+            final=final,
+            async_save=async_save,
+            models=_parts(models),
+        )
+        self.save_seconds.append(time.time() - t0)
+        return self.last_saved
+
+    def finalize(self, blocking: bool = False) -> None:
+        """Commit async saves whose writes are done (``blocking``: wait for them); collective, call every step."""
+        from engine.checkpoint import checkpointer as checkpoint
+
+        t0 = time.time()
+        pending = checkpoint.pending_async()
+        try:
+            checkpoint.finalize_async(blocking=blocking)
+        except checkpoint.WRITE_FAILURES as e:  # an async save's write or commit failed: counted the same
+            self._failed(e, give_up=blocking)
+            return
+        if pending > checkpoint.pending_async():
+            self.finalize_seconds.append(time.time() - t0)
+
+    def reload_latest(
+        self, chunks: list[Any], optimizer: Any, scheduler: Any, models: dict[str, NamedModel] | None = None
+    ) -> dict[str, Any] | None:
+        """Full state of the newest good checkpoint (a rollback), after committing any save in flight; None if none."""
+        from engine.checkpoint import checkpointer as checkpoint
+
+        self.finalize(blocking=True)
+        found = checkpoint.load_latest(
+            self.root, model_chunks=chunks, optimizer=optimizer, scheduler=scheduler, models=_parts(models)
+        )
+        return dict(found[1]) if found is not None else None
+
+
+def _parts(models: dict[str, NamedModel] | None) -> dict[str, tuple[list[Any], Any, Any]] | None:
+    """The trained named models as checkpoint parts: name -> (chunks, optimizer, scheduler)."""
+    if not models:
+        return None
+    return {n: (m.chunks, m.optimizer, m.scheduler) for n, m in models.items()}
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+class Trainer:
+    """Runs ``stage.iters`` optimizer steps of ``step`` over ``train_source``."""
+
+    def __init__(
+        self,
+        chunks: list[Any],
+        optimizer: Any,
+        scheduler: Any,
+        step: Any,
+        *,
+        stage: TrainStage,
+        seq_length: int,
+        train_source: SampleSource | None = None,
+        valid_source: SampleSource | None = None,
+        unit: TrainUnit | None = None,
+        metrics: MetricsWriter | None = None,
+        checkpointer: Checkpointer | None = None,
+        faults: FaultInjector | None = None,
+        stop_flag: StopFlag | None = None,
+        watchdog: Watchdog | None = None,
+        callbacks: Callbacks | None = None,
+        meter: StepMeter | None = None,
+    ) -> None:
+        par = stage.parallel
+        if par.global_batch_size % (par.micro_batch_size * D.dp_size()):
+            raise ValueError(
+                f"parallel.global_batch_size={par.global_batch_size}: must be divisible by "
+                f"micro_batch_size x dp = {par.micro_batch_size} x {D.dp_size()}"
+            )
+        self.chunks, self.optimizer, self.scheduler, self.step = chunks, optimizer, scheduler, step
+        self.stage, self.seq_length = stage, seq_length
+        self.train_source, self.valid_source = train_source, valid_source
+        if unit is None and train_source is None:
+            raise ValueError("Trainer: give train_source or a unit")
+        self.unit = unit or TrainUnit(train_source)
+        """What each step trains (engine.train.units): the updates of a step, other named models, their state."""
+        self.unit.bind(self)
+        self.metrics = metrics or MetricsWriter(Path("/dev/null"), enabled=False)
+        self.checkpointer = checkpointer
+        self.faults, self.stop_flag, self.watchdog = faults, stop_flag, watchdog
+        self.callbacks = callbacks or Callbacks()
+        """Sinks and alarms (engine.callbacks): called at train start/end, step end, eval, save, stop."""
+        self.meter = meter or StepMeter()
+        """Time split of each step, TFLOP/s, MFU and memory in the train lines (engine.train.meter)."""
+        self.iteration = 0
+        self.resume_info: dict[str, Any] | None = None
+        self._start, self._t0, self._window = (
+            0,
+            0.0,
+            [0, 0.0],
+        )  # set by fit(): first step, start time, log window
+        self.stop_requested = False
+        self.history: list[dict[str, float]] = []
+        self.guard = BadStepGuard(stage.grad_spike_factor, stage.max_bad_steps)
+        self.skipped_steps: set[int] = set()
+        """Steps (1-based) whose batch is consumed without an update: bad batches found before a rollback."""
+        self.verdict: dict[str, Any] | None = None
+        """The last step's ``{"reason", "grad_norm"}`` (reason None: good); None when no update was tried."""
+        self._poison = False
+        self.overflow_steps = 0
+        """fp16: steps whose scaled gradients overflowed (no update; megatron's dynamic scaler lowers the scale)."""
+
+    @property
+    def global_batch(self) -> int:
+        return self.stage.parallel.global_batch_size
+
+    def _forward_backward(
+        self, batches: list[Batch], forward_only: bool, step: Any = None
+    ) -> list[dict[str, torch.Tensor]]:
+        return run_micro_batches(
+            self.chunks,
+            step or self.step,
+            batches,
+            seq_length=self.seq_length,
+            micro_batch_size=self.stage.parallel.micro_batch_size * self.step.sequences_per_sample,
+            forward_only=forward_only,
+        )
+
+    @staticmethod
+    def _sums(outputs: Sequence[dict[str, torch.Tensor]]) -> dict[str, tuple[float, float]]:
+        sums: dict[str, list[float]] = {}
+        for out in outputs:
+            for k, v in out.items():
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += float(v[0])
+                acc[1] += float(v[1])
+        return {k: (s, c) for k, (s, c) in sums.items()}
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One global step ``step``: the unit's updates (each an optimizer step); globally reduced metrics.
+
+        The LR schedule advances once per global step when an update was applied. A bad update (nan_policy)
+        ends the step's remaining updates; its verdict is handled by the loop.
+        """
+        if step + 1 in self.skipped_steps:
+            return self._skip_known(step)
+        par = self.stage.parallel
+        updates = self.unit.updates(step)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        overflows = self.overflow_steps
+        sums: dict[str, list[float]] = {}
+        applied, grad_norm = False, None
+        for batches in updates:
+            for chunk in self.chunks:
+                if not chunk.training:  # eval() / generation set the root's mode; train() walks every module
+                    chunk.train()
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            with self.meter.time("fwd_bwd"):
+                outputs = self._forward_backward(
+                    batches, False, _poisoned(self.step) if self._poison else None
+                )
+            with self.meter.time("optimizer"):
+                ok, grad_norm = self._judged_optimizer_step(outputs)
+            applied = applied or ok
+            for k, (s, c) in self._sums(outputs).items():
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += s
+                acc[1] += c
+            if self.verdict is not None and self.verdict.get("reason") is not None:
+                break
+        if applied:
+            self.scheduler.step(increment=1)
+        out = D.reduce_metrics({n: tuple(sums.get(n, (0.0, 0.0))) for n in self.step.metric_names})
+        out.update(self.unit.metrics())
+        out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        out["lr"] = lr
+        if par.precision == "fp16":
+            out["loss_scale"] = float(self.optimizer.get_loss_scale())
+            out["overflow"] = float(self.overflow_steps > overflows)
+            out["overflow_steps"] = float(self.overflow_steps)
+        return out
+
+    def _judged_optimizer_step(self, outputs: Sequence[dict[str, torch.Tensor]]) -> tuple[bool, Any]:
+        """``optimizer.step()``, which applies no update when the step is bad (``self.verdict`` says why).
+
+        megatron's step first calls ``prepare_grads`` (grads to main grads, unscaled) and skips the update
+        when it reports inf/NaN. We wrap it for this call: after it, the grad norm (reduced over the model
+        and distributed-optimizer groups, as megatron's clipping computes it) and the local losses are
+        judged, the verdict is max-reduced over all ranks, and a bad verdict is reported as inf/NaN found.
+        The norm judged is the one the step clips with: ``get_grad_norm`` answers it for the rest of the call
+        (megatron's chained optimizer would compute it a second time).
+        """
+        optimizer, verdict = self.optimizer, {}
+        prepare, grad_norm = optimizer.prepare_grads, optimizer.get_grad_norm
+
+        def judged_prepare() -> bool:
+            found_inf = bool(prepare())  # fp16 only, agreed over ranks: inf/NaN in the scaled gradients
+            if found_inf:
+                judged = self._judge(outputs, float("inf"))
+                if judged["reason"] == "nonfinite_grad":  # finite losses: an overflow, megatron's own skip
+                    self.overflow_steps += 1
+                else:  # a non-finite loss is a bad step in every precision: nan_policy applies
+                    verdict.update(judged)
+                return True
+            norm = float(grad_norm())
+            optimizer.get_grad_norm = lambda: norm
+            verdict.update(self._judge(outputs, norm))
+            return verdict.get("reason") is not None
+
+        optimizer.prepare_grads = judged_prepare
+        try:
+            ok, norm, _ = optimizer.step()
+        finally:
+            del optimizer.prepare_grads
+            optimizer.__dict__.pop("get_grad_norm", None)
+        self.verdict = verdict or None
+        return ok, norm if norm is not None else verdict.get("grad_norm")
+
+    def _judge(self, outputs: Sequence[dict[str, torch.Tensor]], grad_norm: float) -> dict[str, Any]:
+        loss_finite = all(bool(torch.isfinite(v[0])) for out in outputs for v in out.values())
+        reason = self.guard.check(loss_finite, grad_norm)
+        return {"reason": reason_from_code(D.all_reduce_max(reason_code(reason))), "grad_norm": grad_norm}
+
+    def _skip_known(self, step: int) -> dict[str, float]:
+        """Consume a batch in ``skipped_steps`` without computing it (no update, the schedule does not advance)."""
+        log.warning("step %d: batch skipped (found bad before a rollback)", step + 1)
+        self.verdict = None
+        nan = float("nan")
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        return {**{n: nan for n in self.step.metric_names}, "grad_norm": nan, "lr": lr, "skipped": 1.0}
+
+    def _handle_bad_step(self) -> bool:
+        """Apply ``nan_policy`` to the step just run (step ``self.iteration + 1``); True when it rolled back."""
+        verdict, self.verdict = self.verdict, None
+        step = self.iteration + 1
+        if verdict is None:
+            return False
+        if verdict["reason"] is None:
+            self.guard.good(step, verdict["grad_norm"])
+            return False
+        in_a_row = self.guard.bad(step)
+        policy = "stop" if in_a_row >= self.stage.max_bad_steps else self.stage.nan_policy
+        back_to = self._rollback(step) if policy == "rollback" else None
+        action = "skip" if policy == "rollback" and back_to is None else policy
+        self._report_bad_step(step, verdict, action, back_to)
+        if action == "stop":
+            raise BadStepError(
+                f"step {step}: {verdict['reason']} (grad norm {verdict['grad_norm']:.4g}); "
+                f"{in_a_row} bad step(s) in a row, stopping (nan_policy={self.stage.nan_policy}, "
+                f"max_bad_steps={self.stage.max_bad_steps})"
+            )
+        return action == "rollback"
+
+    def _report_bad_step(self, step: int, verdict: dict[str, Any], action: str, back_to: int | None) -> None:
+        record = {"kind": "bad_step", "step": step, "reason": verdict["reason"], "action": action}
+        record |= {"grad_norm": verdict["grad_norm"]} | ({"to_step": back_to} if back_to is not None else {})
+        self.metrics.write(record)
+        where = f" to the checkpoint of step {back_to}" if back_to is not None else ""
+        log.warning(
+            "bad step %d: %s (grad norm %.4g); %s%s",
+            step,
+            verdict["reason"],
+            verdict["grad_norm"],
+            action,
+            where,
+        )
+
+    def _rollback(self, step: int) -> int | None:
+        """Reload the newest checkpoint and skip ``step``'s batch from now on; the checkpoint's step, or None."""
+        self.skipped_steps.add(step)
+        if self.checkpointer is None:
+            return None
+        state = self.checkpointer.reload_latest(
+            self.chunks, self.optimizer, self.scheduler, models=self.unit.trained_models()
+        )
+        if state is None:
+            return None
+        self.unit.load_state(state.get("unit", {}))
+        self.iteration = int(state["iteration"])
+        self.skipped_steps |= set(state.get("skipped_steps", []))
+        self.guard.norms = [float(x) for x in state.get("bad_steps", {}).get("norms", [])]
+        return self.iteration
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float] | None:
+        """Validation loss and perplexity over ``eval_iters`` global batches of the valid source."""
+        if self.valid_source is None:
+            return None
+        for chunk in self.chunks:
+            chunk.eval()
+        par = self.stage.parallel
+        sums: dict[str, list[float]] = {}
+        for i in range(self.stage.eval_iters):
+            batches = micro_batches(self.valid_source, i, par.global_batch_size, par.micro_batch_size)
+            for k, (s, c) in self._sums(self._forward_backward(batches, forward_only=True)).items():
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += s
+                acc[1] += c
+        for chunk in self.chunks:
+            chunk.train()
+        out = D.reduce_metrics(
+            {n: (sums[n][0], sums[n][1]) if n in sums else (0.0, 0.0) for n in self.step.metric_names}
+        )
+        out["ppl"] = math.exp(min(out["loss"], 50.0))
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """The trainer's resumable values (plain, equal on every rank; checkpoint.save adds RNG states)."""
+        return {
+            "iteration": self.iteration,
+            "consumed_samples": self.iteration * self.global_batch,
+            "skipped_steps": sorted(self.skipped_steps),
+            "bad_steps": self.guard.state(),
+            "overflow_steps": self.overflow_steps,
+            "unit": self.unit.state(),
+        }
+
+    def restore(self, init_weights: bool = True) -> None:
+        """Resume (model, optimizer, scheduler, RNG, iteration) or load init_from weights via the checkpointer.
+
+        On a resume, the steps lost since the last run's furthest step and the time from its last step to
+        now are written as a ``resume`` metrics record (the progress file says where the last run got to).
+        """
+        if self.checkpointer is None:
+            return
+        state = self.checkpointer.restore(
+            self.chunks, self.optimizer, self.scheduler, init_weights, models=self.unit.trained_models()
+        )
+        self.unit.load_frozen(self.checkpointer)
+        if state is not None:
+            self.unit.load_state(state.get("unit", {}))
+        attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
+        if state is None and not (self.progress_path and self.progress_path.exists()) and attempt <= 1:
+            return  # a first start
+        if state is not None:
+            self.iteration = int(state["iteration"])
+            self.skipped_steps = set(state.get("skipped_steps", []))
+            self.guard.load_state(state.get("bad_steps", {}))
+            self.overflow_steps = int(state.get("overflow_steps", 0))
+        reached, at = self._read_progress()
+        self.resume_info = {
+            "kind": "resume",
+            "attempt": attempt or None,
+            "from_step": self.iteration,
+            "checkpoint": state is not None,
+            "reached_step": reached,
+            "steps_lost": max(reached - self.iteration, 0),
+            "down_s": time.time() - at if at else None,
+        }
+        self.metrics.write(self.resume_info)
+
+    @property
+    def progress_path(self) -> Path | None:
+        return self.checkpointer.root.parent / "progress.json" if self.checkpointer else None
+
+    def _read_progress(self) -> tuple[int, float | None]:
+        p = self.progress_path
+        if p is None or not p.exists():
+            return self.iteration, None
+        try:
+            data = json.loads(p.read_text())
+            return int(data["step"]), float(data["time"])
+        except (ValueError, KeyError):
+            return self.iteration, None
+
+    def _write_progress(self) -> None:
+        """Rank 0 notes the step reached (temp + rename: a reader never sees half a file)."""
+        p = self.progress_path
+        if p is None or not D.is_rank0():
+            return
+        try:
+            atomic_write_text(p, json.dumps({"step": self.iteration, "time": time.time()}), durable=False)
+        except OSError as e:  # a full disk: the accounting is lost, the training goes on
+            log.warning("could not write %s: %s", p, e)
+
+    def _stop(self) -> bool:
+        """Agreed over all ranks every step, so all stop (and save) at the same step."""
+        local = self.stop_requested or (self.stop_flag is not None and self.stop_flag.requested)
+        return D.any_rank(local)
+
+    def _beat(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat()
+
+    def fit(self) -> dict[str, Any]:
+        """Train from ``self.iteration`` to ``stage.iters``; returns a summary (steps, final_loss, valid)."""
+        st = self.stage
+        self._start, self._t0, self._window = self.iteration, time.time(), [0, 0.0]
+        last: dict[str, float] = {}
+        stop = False
+        self.callbacks.emit("on_train_start", self.iteration)
+        while self.iteration < st.iters and not stop:
+            self._beat()
+            if self.faults:
+                self._poison = self.faults.check("step", self.iteration + 1) == "nan"
+            t_step = time.time()
+            last = self.train_step(self.iteration)
+            if self._handle_bad_step():
+                continue
+            self.iteration += 1
+            self.history.append(last)
+            self._write_progress()
+            logged = self._log_train(last, time.time() - t_step)
+            s = self.iteration
+            self.callbacks.emit("on_step_end", s, logged or last, logged=logged is not None)
+            if st.eval_interval and s % st.eval_interval == 0 and s < st.iters:
+                self._write_valid(s)
+            stop = self._stop()
+            self._beat()
+            if self.checkpointer is not None:
+                self.checkpointer.finalize()
+                saved = len(self.checkpointer.save_seconds)
+                self.checkpointer.maybe_save(
+                    s,
+                    s == st.iters,
+                    stop,
+                    self.chunks,
+                    self.optimizer,
+                    self.scheduler,
+                    self.state(),
+                    models=self.unit.trained_models(),
+                )
+                if len(self.checkpointer.save_seconds) > saved:
+                    self.metrics.write(
+                        {
+                            "kind": "checkpoint",
+                            "step": s,
+                            "save_s": self.checkpointer.save_seconds[-1],
+                            "async": self.checkpointer.async_save and not (stop or s == st.iters),
+                        }
+                    )
+                    self.meter.add("checkpoint", self.checkpointer.save_seconds[-1])
+                    self.callbacks.emit("on_save", s, {"save_s": self.checkpointer.save_seconds[-1]})
+        if self.checkpointer is not None:
+            self.checkpointer.finalize(blocking=True)
+        if stop and self.iteration < st.iters:
+            signum = self.stop_flag.signum if self.stop_flag else None
+            self.metrics.write(
+                {"kind": "info", "message": f"stopped at step {self.iteration} (signal {signum}), saved"}
+            )
+            self.callbacks.emit("on_stop", self.iteration, {"signal": signum})
+            raise Preempted(f"signal {signum} at step {self.iteration}; checkpoint saved")
+        valid = (
+            self._write_valid(self.iteration)
+            if self.iteration == st.iters and self.iteration > self._start
+            else None
+        )
+        saved = self.checkpointer.last_saved if self.checkpointer else None
+        summary = {
+            "steps": self.iteration,
+            "resume": self.resume_info,
+            "checkpoint_save_s": self.checkpointer.save_seconds if self.checkpointer else [],
+            "final_loss": last.get("loss"),
+            "valid": valid,
+            "stopped": self.iteration < st.iters,
+            "checkpoint": str(saved) if saved else None,
+        }
+        self.callbacks.emit("on_train_end", self.iteration, summary)
+        return summary
+
+    def _log_train(self, last: dict[str, float], step_s: float) -> dict[str, Any] | None:
+        """A metrics line every log_interval steps; tokens/s over the steps' compute time since the last line."""
+        st, s = self.stage, self.iteration
+        self._window[0] += 1
+        self._window[1] += step_s
+        if not (s % st.log_interval == 0 or s == st.iters or s == self._start + 1):
+            return None
+        tokens = self._window[0] * self.global_batch * self.seq_length * self.step.sequences_per_sample
+        elapsed = time.time() - self._t0
+        record = {
+            "kind": "train",
+            "step": s,
+            "iters": st.iters,
+            **last,
+            "tokens_per_s": tokens / max(self._window[1], 1e-9),
+            "elapsed_s": elapsed,
+            "eta_s": elapsed / (s - self._start) * (st.iters - s),
+            **self.meter.fields(int(self._window[0]), self._window[1]),
+        }
+        self.metrics.write(record)
+        self._window = [0, 0.0]
+        return record
+
+    def _write_valid(self, step: int) -> dict[str, float] | None:
+        out = self.evaluate()
+        if out is not None:
+            self.metrics.write({"kind": "valid", "step": step, **out})
+            self.callbacks.emit("on_eval", step, {"kind": "valid", "step": step, **out})
+        return out
+
+
+def _poisoned(step: Any) -> Any:
+    """``step`` with its loss, and so every gradient, multiplied by NaN (the ``nan`` fault, on ranks computing a loss)."""
+
+    def forward(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+        output, loss_func = step(data_iterator, model)
+
+        def poisoned_loss(*args: Any) -> Any:
+            loss, count, reported = loss_func(*args)
+            nan_sum = {k: v * v.new_tensor([float("nan"), 1.0]) for k, v in reported.items()}
+            return loss * float("nan"), count, nan_sum
+
+        return output, poisoned_loss
+
+    return forward
+
+
+# ---------------------------------------------------------------------------- DPO reference log-probs
+
+
+@torch.no_grad()
+def reference_logps(
+    chunks: list[Any],
+    source: SampleSource,
+    *,
+    first_step: int,
+    steps: int,
+    stage: TrainStage,
+    seq_length: int,
+) -> np.ndarray:
+    """Log-probs [n, 2] (chosen, rejected) of ``chunks`` for global samples [first_step*G, steps*G).
+
+    A forward-only pass (DPO's frozen reference, before training); every rank gets the array.
+    """
+    G, mbs = stage.parallel.global_batch_size, stage.parallel.micro_batch_size
+    step = ReferenceLogpStep()
+    base = first_step * G
+    out = np.zeros((max(steps - first_step, 0) * G, 2), dtype=np.float64)
+    modes = [c.training for c in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    for s in range(first_step, steps):
+        outputs = run_micro_batches(
+            chunks,
+            step,
+            micro_batches(source, s, G, mbs),
+            seq_length=seq_length,
+            micro_batch_size=mbs * step.sequences_per_sample,
+            forward_only=True,
+        )
+        if D.owns_loss():
+            idx = sample_range(s, G, D.dp_rank(), D.dp_size())
+            out[idx.start - base : idx.stop - base] = torch.cat([o["logps"] for o in outputs]).cpu().numpy()
+    for chunk, mode in zip(chunks, modes):
+        chunk.train(mode)
+    return D.all_reduce_sum(out.reshape(-1)).reshape(-1, 2)
+
+
+class WithReference:
+    """A preference source with ``ref_logp`` added from precomputed log-probs of samples [offset, offset+n)."""
+
+    def __init__(self, source: SampleSource, ref_logp: np.ndarray, offset: int) -> None:
+        self.source, self.ref_logp, self.offset = source, ref_logp, offset
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        j = i - self.offset
+        if not 0 <= j < len(self.ref_logp):
+            raise IndexError(
+                f"sample {i}: no reference log-probs (have [{self.offset}, {self.offset + len(self.ref_logp)}))"
+            )
+        return {**self.source[i], "ref_logp": self.ref_logp[j].astype(np.float32)}

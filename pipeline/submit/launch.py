@@ -1,0 +1,366 @@
+"""Submission: one submitit job per stage (local | debug | slurm), resources derived from the parallel plan.
+
+The submitting side builds executors and submits ``run_stage``; the job side (``run_stage``, on every rank)
+sets the torch.distributed variables from submitit's JobEnvironment, marks the ledger and calls
+``stages.<stage>.main(cfg, ctx)``. Nothing here imports torch or megatron at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import shlex
+import shutil
+import signal
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from pipeline.records.alarms import forward_alarms
+from pipeline.records.ledger import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    REQUEUED,
+    RUNNING,
+    STOPPED,
+    SUBMITTED,
+    Ledger,
+    StageRecord,
+)
+from pipeline.schema.config import PipelineConfig, from_dict, stage_hashes
+from pipeline.schema.graph import module as stage_module
+from pipeline.schema.graph import upstream
+from pipeline.schema.layout import ParallelPlan, stage_plan
+from pipeline.slurm.job_env import free_port, requeue_self, restart_count  # noqa: F401  (free_port re-exported)
+
+CODE_DIRS = ("pipeline", "stages", "engine", "conf")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def stage_out_dir(run_dir: Path, stage: str) -> Path:
+    return Path(run_dir) / "stages" / stage
+
+
+def job_folder(run_dir: Path, stage: str) -> Path:
+    return Path(run_dir) / "jobs" / stage
+
+
+def snapshot_code(run_dir: Path) -> Path:
+    """Copy the code into the run directory so queued jobs run it as it was when submitted."""
+    dest = Path(run_dir) / "code" / time.strftime("%Y%m%d-%H%M%S")
+    n = 0
+    while dest.exists():
+        n += 1
+        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+    tmp = dest.with_name(dest.name + ".tmp")
+    for d in CODE_DIRS:
+        if not (REPO_ROOT / d).is_dir():
+            continue  # an installed wheel: conf/ travels inside pipeline/
+        shutil.copytree(REPO_ROOT / d, tmp / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    tmp.rename(dest)
+    return dest
+
+
+# ---------------------------------------------------------------------------- executors
+
+
+def slurm_parameters(
+    cfg: PipelineConfig, stage: str, plan: ParallelPlan, code_dir: Path | None
+) -> dict[str, Any]:
+    """sbatch parameters for one stage, all derived from its plan and the cluster profile."""
+    c = cfg.cluster
+    st = cfg.stage(stage)
+    setup = list(c.setup)
+    env = dict(c.env)
+    if code_dir is not None:
+        setup += _code_setup(code_dir)
+    setup += [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(env.items())]
+    params: dict[str, Any] = {
+        "job_name": f"{cfg.run.name}-{stage}",
+        "nodes": plan.nodes,
+        "ntasks_per_node": plan.tasks_per_node,
+        "cpus_per_task": plan.cpus_per_task,
+        "time": st.time_min or c.time_min,
+        "signal_delay_s": c.signal_delay_s,
+        "setup": setup,
+        # a stage whose upstream failed is cancelled at once instead of pending forever (22.05's default)
+        "additional_parameters": {"requeue": True, "kill_on_invalid_dep": "yes"},
+    }
+    if plan.gpus_per_node:
+        params["gpus_per_node"] = plan.gpus_per_node
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(c, key):
+            params[key] = getattr(c, key)
+    if c.exclusive:
+        params["exclusive"] = True
+    if c.mem_gb:
+        params["mem"] = f"{c.mem_gb}GB"
+    srun_args = []
+    if c.container_image:
+        srun_args += [f"--container-image={c.container_image}", "--container-mounts=/:/"]
+    if stage == "data_prep" and cfg.data_prep.launcher == "mpi":  # the tasks form one MPI world
+        srun_args.append(f"--mpi={c.mpi}")
+    if srun_args:
+        params["srun_args"] = srun_args
+    return params
+
+
+def _code_setup(code_dir: Path) -> list[str]:
+    """Shell lines making the job import the snapshot: first on PYTHONPATH, and the job's working directory
+    (the submitter's, where a checkout may sit) kept off sys.path (``python -m`` would put it first)."""
+    return [
+        f"export PYTHONPATH={shlex.quote(str(code_dir))}${{PYTHONPATH:+:$PYTHONPATH}}",
+        "export PYTHONSAFEPATH=1",
+    ]
+
+
+def make_executor(
+    cfg: PipelineConfig,
+    stage: str,
+    run_dir: Path,
+    code_dir: Path | None = None,
+    python: str | None = None,
+) -> Any:
+    """The submitit executor for one stage, with its resources set (``python``: the local tasks' command
+    instead of this interpreter, e.g. a prefork relay)."""
+    import submitit
+
+    plan = stage_plan(cfg, stage)
+    folder = job_folder(run_dir, stage) / "%j"
+    kind = cfg.cluster.executor
+    timeout = cfg.stage(stage).time_min or cfg.cluster.time_min
+    if kind == "debug":
+        return submitit.DebugExecutor(folder=folder)
+    if kind == "local":
+        ex = submitit.LocalExecutor(folder=folder, python=python)
+        # data_prep.launcher=mpi: one task, which runs mpiexec -n dp (stages.data_prep)
+        tasks = 1 if stage == "data_prep" and cfg.data_prep.launcher == "mpi" else plan.world_size
+        ex.update_parameters(timeout_min=timeout, tasks_per_node=tasks, nodes=1)
+        if plan.gpus_per_node:  # else submitit's controller hides every GPU (CUDA_VISIBLE_DEVICES="")
+            ex.update_parameters(gpus_per_node=plan.gpus_per_node)
+        return ex
+    slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=cfg.cluster.max_requeues)
+    slurm.update_parameters(**slurm_parameters(cfg, stage, plan, code_dir))
+    return slurm
+
+
+def sbatch_script(cfg: PipelineConfig, stage: str, run_dir: Path, code_dir: Path | None = None) -> str:
+    """The sbatch script ``cluster=slurm`` would submit for ``stage`` (dry run; needs no SLURM)."""
+    import submitit
+
+    plan = stage_plan(cfg, stage)
+    ex = submitit.SlurmExecutor(folder=job_folder(run_dir, stage) / "%j", python="python3")
+    ex.update_parameters(**slurm_parameters(cfg, stage, plan, code_dir))
+    return str(ex._make_submission_file_text(ex._submitit_command_str, "dry-run"))
+
+
+def mark_submitted(
+    cfg: PipelineConfig, ledger: Ledger, stage: str, executor: str, **fields: Any
+) -> StageRecord:
+    """Record a (re)submission: fresh status, hashes and plan; attempts carry over only for the same config."""
+    hashes = stage_hashes(cfg)
+    if stage == "data_prep":  # keep the input digests for the job's ranks (size + mtime pre-check)
+        from pipeline.schema.data_identity import fingerprints
+
+        fingerprints(cfg, save=True)
+    prev = ledger.read(stage)
+    return ledger.update(
+        stage,
+        status=SUBMITTED,
+        hash=hashes[stage],
+        upstream={u: hashes[u] for u in upstream(stage)},
+        executor=executor,
+        submitted_at=time.time(),
+        started_at=None,
+        ended_at=None,
+        error=None,
+        requeues=0,
+        plan=stage_plan(cfg, stage).as_dict(),
+        attempts=prev.attempts if prev and prev.hash == hashes[stage] else 0,
+        **fields,
+    )
+
+
+# ---------------------------------------------------------------------------- the job side
+
+
+def _job_environment(executor: str) -> tuple[int, int, int, str, str]:
+    """(rank, world size, local rank, master address, job id) inside a submitit job."""
+    import submitit
+
+    if executor == "debug":
+        return 0, 1, 0, "127.0.0.1", os.environ.get("SUBMITIT_DEBUG_JOB_ID", "debug")
+    env = submitit.JobEnvironment()
+    master = env.hostnames[0] if executor == "slurm" else "127.0.0.1"
+    return env.global_rank, env.num_tasks, env.local_rank, master, str(env.job_id)
+
+
+def _rendezvous_port(executor: str, job_id: str, given: int | None) -> int:
+    if given:
+        return given
+    digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
+    return 20000 + int(digits) % 20000  # same on every rank of a SLURM job, differs between jobs
+
+
+def run_stage(
+    stage: str, cfg_dict: dict[str, Any], run_dir: str, master_port: int | None = None
+) -> dict[str, Any]:
+    """Job entry point on every rank: set up the distributed environment, run the stage, mark the ledger."""
+    cfg = from_dict(cfg_dict)
+    rank, world, local_rank, master, job_id = _job_environment(cfg.cluster.executor)
+    port = _rendezvous_port(cfg.cluster.executor, job_id, master_port)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(local_rank),
+        MASTER_ADDR=master,
+        MASTER_PORT=str(port),
+    )
+    ledger = Ledger(Path(run_dir))
+    local_group = cfg.cluster.executor == "local" and world > 1
+    if local_group:
+        from engine.runtime.signals import HANG_HOOKS
+
+        HANG_HOOKS.append(end_local_job)
+    if rank == 0:
+        _mark_started(ledger, stage, job_id, world)
+    try:
+        out = _call_stage(stage, cfg, Path(run_dir))
+    except BaseException as e:
+        if rank == 0:
+            forward_alarms(ledger, stage)
+            _record_failure(ledger, stage, cfg, e)
+        if local_group and not _is_preempted(e):
+            end_local_job()
+        raise
+    if rank == 0:
+        forward_alarms(ledger, stage)
+        from pipeline.records.ledger import accounting
+
+        extra = {
+            **((ledger.read(stage) or StageRecord(stage)).extra),
+            "accounting": accounting(Path(run_dir), stage),
+        }
+        ledger.update(stage, status=COMPLETED, ended_at=time.time(), outputs=out, extra=extra)
+        ledger.event("completed", stage)
+    return out
+
+
+def _is_preempted(e: BaseException) -> bool:
+    from engine.runtime.signals import Preempted
+
+    return isinstance(e, Preempted)
+
+
+def end_local_job() -> None:
+    """Kill the other ranks of this local job (a hung or failed rank ends the whole job, as SLURM does).
+
+    submitit's local controller waits for every task: a frozen rank (SIGSTOP, a deadlock) would keep the
+    job, and the command following it, waiting forever. The siblings are the controller's other children
+    carrying this job's id (``SUBMITIT_LOCAL_JOB_ID``); SIGKILL also ends a stopped process. With
+    ``cluster.prefork`` those children are the ranks' relays: a signal to one is forwarded to its rank, and
+    its rank is killed with it (pipeline.submit.prefork).
+    """
+    import psutil
+
+    from pipeline.submit.prefork import RELAY_ENV
+
+    job = os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+    if not job:
+        return
+    me = int(os.environ.get(RELAY_ENV) or os.getpid())  # a forked rank: its relay is the controller's child
+    try:
+        siblings = psutil.Process(me).parent().children()  # type: ignore[union-attr]
+    except (psutil.Error, AttributeError):
+        return
+    mine = []
+    for proc in siblings:
+        try:
+            if proc.pid != me and proc.environ().get("SUBMITIT_LOCAL_JOB_ID") == job:
+                mine.append(proc)
+        except psutil.Error:
+            continue
+    for proc in mine:  # first their stacks into their logs (engine.runtime.signals.STACK_DUMP_SIGNAL)
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGQUIT)
+    psutil.wait_procs(mine, timeout=2.0)  # a moment to write them; a stopped process is killed all the same
+    for proc in mine:
+        try:
+            print(f"[launcher] ending rank process {proc.pid} of local job {job}", flush=True)
+            proc.kill()
+        except psutil.Error:
+            continue
+
+
+def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> None:
+    """Rank 0: the ledger says running; the event records the rendezvous and the code this job imports."""
+    rec = ledger.read(stage)
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    attempt = (rec.attempts if rec else 0) + 1
+    os.environ["PIPELINE_STAGE_ATTEMPT"] = str(attempt)  # the engine's resume record (trainer.ATTEMPT_ENV)
+    ledger.update(
+        stage,
+        status=RUNNING,
+        started_at=time.time(),
+        attempts=attempt,
+        requeues=restarts,
+        host=socket.gethostname(),
+        error=None,
+    )
+    rendezvous = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    ledger.event(
+        "started",
+        stage,
+        job_id=job_id,
+        world_size=world,
+        restarts=restarts,
+        master=rendezvous,
+        code=str(REPO_ROOT),
+    )
+
+
+def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseException) -> None:
+    """Ledger entry for a stage that did not complete: stopped on a signal, requeued, or failed."""
+    from engine.runtime.signals import Preempted
+
+    err = f"{type(e).__name__}: {e}"
+    rec = ledger.read(stage)
+    if rec and rec.status == CANCELLED:  # python -m pipeline.cancel: stopping is expected, never requeue
+        ledger.event("stopped", stage, error=err, reason="cancelled")
+        return
+    if isinstance(e, Preempted):
+        requeued = requeue_self(f"stopped by signal {e}")
+        ledger.update(stage, status=REQUEUED if requeued else STOPPED, ended_at=time.time(), error=err)
+        ledger.event("requeued" if requeued else "stopped", stage, error=err)
+        return
+    if restart_count() < cfg.cluster.max_requeues and requeue_self(f"crashed: {err}"):
+        ledger.update(stage, status=REQUEUED, error=err)
+        ledger.event("requeued", stage, error=err, traceback=traceback.format_exc(limit=20))
+        return
+    ledger.update(stage, status=FAILED, ended_at=time.time(), error=err)
+    ledger.event("failed", stage, error=err, traceback=traceback.format_exc(limit=20))
+
+
+def _call_stage(stage: str, cfg: PipelineConfig, run_dir: Path) -> dict[str, Any]:
+    from engine.context import StageContext
+
+    ctx = StageContext(
+        run_dir=run_dir,
+        stage=stage,
+        out_dir=stage_out_dir(run_dir, stage),
+        inputs={u: stage_out_dir(run_dir, u) for u in upstream(stage)},
+        plan=stage_plan(cfg, stage),
+    )
+    if stage == "data_prep":  # one prepared copy per data identity, shared under run.root
+        from pipeline.schema.data_identity import link_shared_data, shared_data_prep
+
+        link_shared_data(cfg, ctx.out_dir, stage_hashes(cfg)["data_prep"])
+        module = importlib.import_module(stage_module(stage))
+        return shared_data_prep(cfg, ctx.out_dir, lambda: dict(module.main(cfg, ctx) or {}))
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    module = importlib.import_module(stage_module(stage))
+    return dict(module.main(cfg, ctx) or {})
