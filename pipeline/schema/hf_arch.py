@@ -1,7 +1,7 @@
 """A Hugging Face ``config.json`` <-> this project's ModelConfig (no torch: the planner and validation use it).
 
-Supported: decoder-only Llama-family models (``LlamaForCausalLM``, ``MistralForCausalLM`` without a sliding
-window, ``Qwen2ForCausalLM``): RMSNorm, SwiGLU, RoPE (plain or Llama-3 scaled), grouped-query attention,
+Supported: decoder-only Llama-style models of the families in ``pipeline.schema.hf_families`` (Llama,
+Mistral without a sliding window, Qwen2): RMSNorm, SwiGLU, RoPE (plain or Llama-3 scaled), grouped-query attention,
 tied or untied embeddings, query/key/value biases (Qwen2). Anything else fails naming the field.
 
 ``model_config(hf_dir)`` reads the directory's config.json; ``to_hf_config(model)`` writes one back.
@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.schema.config import ModelConfig
+from pipeline.schema.hf_families import COMMON, FAMILIES, exported_family
 
 PREFIX = "hf:"
 """``<stage>.init_from=hf:/path/to/model`` names a Hugging Face model directory."""
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 ARCH_KEYS = (
     "num_layers",
@@ -109,23 +108,18 @@ def _require(hf: dict[str, Any], where: str, field: str, allowed: tuple[Any, ...
 def arch_values(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
     """The ModelConfig architecture keys (ARCH_KEYS) a config.json decides; HFConfigError names a bad field."""
     model_type = hf.get("model_type")
-    if model_type not in ARCHITECTURES:
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
         raise HFConfigError(
-            f"{where}: model_type={model_type!r}: unsupported (supported: {sorted(ARCHITECTURES)})"
+            f"{where}: model_type={model_type!r}: unsupported (supported: {sorted(FAMILIES)})"
         )
-    archs = hf.get("architectures") or [ARCHITECTURES[model_type]]
-    if archs != [ARCHITECTURES[model_type]]:
+    archs = hf.get("architectures") or [family.architecture]
+    if archs != [family.architecture]:
         raise HFConfigError(
-            f"{where}: architectures={archs}: unsupported (supported: [{ARCHITECTURES[model_type]!r}])"
+            f"{where}: architectures={archs}: unsupported (supported: [{family.architecture!r}])"
         )
-    _require(hf, where, "hidden_act", ("silu",), "silu")
-    _require(hf, where, "mlp_bias", (False,), False)
-    _require(hf, where, "pretraining_tp", (1,), 1)
-    _require(hf, where, "attention_dropout", (0, 0.0), 0.0)
-    if model_type in ("mistral", "qwen2"):
-        _require(hf, where, "use_sliding_window", (False, None), False)
-    if model_type == "mistral":
-        _require(hf, where, "sliding_window", (None,), None)
+    for field, allowed, default in COMMON + family.requires:
+        _require(hf, where, field, allowed, default)
     for field in (
         "hidden_size",
         "num_hidden_layers",
@@ -150,7 +144,7 @@ def arch_values(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any
         "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "activation": "swiglu",
         "add_bias_linear": False,
-        "add_qkv_bias": model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+        "add_qkv_bias": family.qkv_bias or bool(hf.get("attention_bias", False)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         **_rope(hf, where),
     }
@@ -178,7 +172,8 @@ def contradictions(model: ModelConfig, baseline: ModelConfig, hf_values: dict[st
 
 
 def to_hf_config(model: ModelConfig, vocab_size: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A config.json for ``model`` (Llama, or Qwen2 when it has query/key/value biases and no other bias)."""
+    """A config.json for ``model``, written as the family that exports it (Llama, or Qwen2 when it has
+    query/key/value biases and no other bias)."""
     if model.normalization != "RMSNorm" or model.activation != "swiglu" or model.position_embedding != "rope":
         raise HFConfigError(
             f"model {model.name!r}: normalization={model.normalization}, activation={model.activation}, "
@@ -186,7 +181,7 @@ def to_hf_config(model: ModelConfig, vocab_size: int, extra: dict[str, Any] | No
         )
     if model.add_bias_linear:
         raise HFConfigError(f"model.add_bias_linear={model.add_bias_linear}: Llama/Qwen2 export needs false")
-    model_type = "qwen2" if model.add_qkv_bias else "llama"
+    family = exported_family(model)
     head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
     rope: dict[str, Any] = {"rope_theta": float(model.rotary_base), "rope_type": "default"}
     if model.rotary_scaling:
@@ -198,8 +193,8 @@ def to_hf_config(model: ModelConfig, vocab_size: int, extra: dict[str, Any] | No
             "original_max_position_embeddings": int(model.rotary_original_max_positions),
         }
     cfg: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[model_type]],
-        "model_type": model_type,
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "hidden_size": model.hidden_size,
         "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
         "num_hidden_layers": model.num_layers,
@@ -216,8 +211,4 @@ def to_hf_config(model: ModelConfig, vocab_size: int, extra: dict[str, Any] | No
         "attention_dropout": 0.0,
         "torch_dtype": "float32",
     }
-    if model_type == "llama":
-        cfg |= {"attention_bias": False, "mlp_bias": False}
-    else:
-        cfg |= {"use_sliding_window": False, "sliding_window": None}
-    return {**cfg, **(extra or {})}
+    return {**cfg, **family.export_fields, **(extra or {})}
