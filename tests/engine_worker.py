@@ -8,7 +8,9 @@ SPEC keys: model, parallel, stage (overrides of ModelConfig / ParallelConfig / T
 load_weights (a checkpoint root for the model weights only, every model chunk, written with
 engine.checkpoint.checkpointer), ckpt (a checkpoint root: resume from it and save every ``save_interval``
 steps through the trainer's Checkpointer), save_interval, metrics (a metrics.jsonl path), out (result
-file of rank 0; set by launch), peft (a PeftConfig dict: LoRA), tensorboard (a TensorBoard log dir), raising_sink (add a sink that raises).
+file of rank 0; set by launch), peft (a PeftConfig dict: LoRA), tensorboard (a TensorBoard log dir), raising_sink (add a sink that raises),
+sinks (names of engine.callbacks.setup.SINKS for a stage ``pretrain`` in ``stage_dir`` of run ``run_dir``, with
+MonitorConfig fields ``monitor``; the spec is the config they record).
 """
 
 from __future__ import annotations
@@ -118,6 +120,15 @@ def _callbacks(spec: dict[str, Any]) -> Any:
         from engine.callbacks.tensorboard import TensorBoard
 
         cbs.append(TensorBoard(Path(spec["tensorboard"])))
+    if spec.get("sinks"):
+        from engine.callbacks.setup import SINKS
+        from engine.train.callback import StageInfo
+        from pipeline.schema.config import MonitorConfig
+
+        mon = MonitorConfig(**{**spec.get("monitor", {}), "sinks": spec["sinks"]})
+        info = StageInfo("pretrain", Path(spec["stage_dir"]), Path(spec["run_dir"]), config=spec)
+        cbs += [SINKS[name](mon, info) for name in mon.sinks]
+        return Callbacks(cbs, info)
     return Callbacks(cbs) if cbs else None
 
 
@@ -158,6 +169,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             step = make_step(name)
         valid = SyntheticSource(32, vocab, seq, seed=2) if name != "dpo" else None
         metrics = MetricsWriter(Path(spec["metrics"]), enabled=D.is_rank0()) if spec.get("metrics") else None
+        callbacks = _callbacks(spec)
         trainer = Trainer(
             chunks,
             optimizer,
@@ -169,13 +181,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             valid_source=valid,
             metrics=metrics,
             checkpointer=_checkpointer(spec),
-            callbacks=_callbacks(spec),
+            callbacks=callbacks,
         )
         trainer.restore()
         resumed = trainer.state()
         t0 = time.time()
         summary = trainer.fit()
         wall = time.time() - t0
+        if callbacks is not None:
+            callbacks.close()
         return {
             "summary": summary,
             "history": trainer.history,

@@ -140,6 +140,52 @@ def test_monitor_config_is_validated_with_the_key_named() -> None:
         from_dict({"pretrain": {"monitor": {"alarm_spike": 2}}})
 
 
+def test_sinks_are_a_registry_checked_at_config_time() -> None:
+    from engine.callbacks.setup import SINKS
+    from pipeline.schema.config import SINK_NAMES
+
+    assert tuple(SINKS) == SINK_NAMES
+    assert from_dict({}).pretrain.monitor.sinks == ["tensorboard"]  # today's default
+    with pytest.raises(
+        ValueError, match=r"pretrain.monitor.sinks='mlfow': must be one of .*did you mean 'mlflow'"
+    ):
+        from_dict({"pretrain": {"monitor": {"sinks": ["tensorboard", "mlfow"]}}})
+    with pytest.raises(ValueError, match=r"sft.monitor.sinks=.*each sink at most once"):
+        from_dict({"sft": {"monitor": {"sinks": ["wandb", "wandb"]}}})
+
+
+def test_unknown_sink_fails_at_compose_before_any_job(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.plan",
+            "experiment=tiny",
+            "pretrain.monitor.sinks=[tensorboard,neptune]",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert r.returncode != 0 and "pretrain.monitor.sinks='neptune'" in r.stderr + r.stdout, r.stderr
+
+
+def test_stage_callbacks_build_the_named_sinks_then_alarms(tmp_path: Path) -> None:
+    from engine.callbacks.mlflow import MLflow
+    from engine.callbacks.setup import stage_callbacks
+    from engine.callbacks.tensorboard import TensorBoard
+    from engine.context import MetricsWriter, StageContext
+
+    cfg = from_dict({"pretrain": {"monitor": {"sinks": ["mlflow", "tensorboard"]}}})
+    ctx = StageContext(tmp_path, "pretrain", tmp_path / "stages" / "pretrain")
+    metrics = MetricsWriter(ctx.metrics_path, enabled=False)
+    cbs = stage_callbacks(cfg, ctx, cfg.pretrain, metrics, 0, 1)
+    assert [type(c) for c in cbs.callbacks] == [MLflow, TensorBoard, Alarms]
+    assert cbs.callbacks[0].uri == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"  # type: ignore[attr-defined]
+    assert not stage_callbacks(cfg, ctx, cfg.pretrain, metrics, 1, 2)  # rank 0 only
+
+
 def _fake_run(tmp_path: Path) -> Path:
     run = tmp_path / "tiny-abc"
     ledger = Ledger(run)

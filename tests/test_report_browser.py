@@ -32,7 +32,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # no credentials: offline
     r = subprocess.run(
         [sys.executable, "-m", "pipeline", "experiment=tiny", "cluster=debug", f"run.root={root}",
-         "pretrain.monitor.wandb=true"],
+         "pretrain.monitor.sinks=[tensorboard,wandb]"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=900,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -1,16 +1,30 @@
-"""The callbacks a training stage runs: TensorBoard, W&B (optional), alarms; rank 0 only."""
+"""The callbacks a training stage runs: the sinks named by ``<stage>.monitor.sinks`` (rank 0 only), then alarms.
+
+A sink is one module with a factory ``sink(monitor, info) -> Callback`` registered in ``SINKS`` under its name;
+the schema's ``SINK_NAMES`` lists the same names, so an unknown sink fails at config validation.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
+from collections.abc import Callable
 from typing import Any
 
+from engine.callbacks import mlflow, tensorboard, wandb
+from engine.callbacks.alarms import Alarms
 from engine.context import MetricsWriter, StageContext
 from engine.train.callback import Callback, Callbacks, StageInfo
-from pipeline.schema.config import PipelineConfig, TrainStage
+from pipeline.schema.config import MonitorConfig, PipelineConfig, TrainStage
 
-log = logging.getLogger(__name__)
+SinkFactory = Callable[[MonitorConfig, StageInfo], Callback]
+"""Builds a sink from the stage's monitor section and what the stage is (its name, dirs, resolved config)."""
+
+SINKS: dict[str, SinkFactory] = {
+    "tensorboard": tensorboard.sink,
+    "wandb": wandb.sink,
+    "mlflow": mlflow.sink,
+}
+"""Sink name -> factory; the keys equal pipeline.schema.config.SINK_NAMES (tests/test_observe.py checks)."""
 
 
 def stage_callbacks(
@@ -19,26 +33,8 @@ def stage_callbacks(
     info = StageInfo(ctx.stage, ctx.out_dir, ctx.run_dir, st.iters, rank, world, dataclasses.asdict(cfg))
     if rank != 0:
         return Callbacks([], info)
-    mon = st.monitor
-    cbs: list[Callback] = []
-    if mon.tensorboard:
-        from engine.callbacks.tensorboard import TensorBoard
-
-        cbs.append(TensorBoard(ctx.out_dir / "tensorboard"))
-    if mon.wandb:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            log.error(
-                "%s.monitor.wandb=true but wandb is not installed (pip install '.[wandb]'); off", ctx.stage
-            )
-        else:
-            from engine.callbacks.wandb import WandB
-
-            cbs.append(WandB(ctx.out_dir, mon.wandb_project, ctx.run_dir.name, ctx.stage, info.config))
-    from engine.callbacks.alarms import Alarms
-
-    cbs.append(Alarms(mon, metrics.write))
+    cbs = [SINKS[name](st.monitor, info) for name in st.monitor.sinks]
+    cbs.append(Alarms(st.monitor, metrics.write))
     return Callbacks(cbs, info)
 
 

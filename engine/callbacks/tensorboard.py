@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.train.callback import Callback, StepView
+from engine.train.callback import Callback, StageInfo, StepView
+from pipeline.schema.config import MonitorConfig
 
 SKIP = {"kind", "step", "iters", "time"}
 
@@ -60,3 +61,8 @@ class TensorBoard(Callback):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def sink(mon: MonitorConfig, info: StageInfo) -> Callback:
+    """``monitor.sinks: [tensorboard]``: event files in <stage dir>/tensorboard."""
+    return TensorBoard(info.out_dir / "tensorboard")

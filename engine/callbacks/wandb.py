@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.callbacks.tensorboard import scalars
-from engine.train.callback import Callback, StepView
+from engine.train.callback import Callback, StageInfo, StepView
 from pipeline.records.files import atomic_write_text
+from pipeline.schema.config import MonitorConfig
 
 
 def mode() -> str:
@@ -41,7 +42,12 @@ class WandB(Callback):
         return rid
 
     def on_train_start(self, view: StepView) -> None:
-        import wandb
+        try:
+            import wandb
+        except ImportError as e:  # the sink is disabled (logged), training goes on
+            raise ImportError(
+                f"{view.stage.name}.monitor.sinks has wandb but it is not installed (pip install '.[wandb]')"
+            ) from e
 
         rid = self.run_id()
         self.run = wandb.init(
@@ -75,3 +81,9 @@ class WandB(Callback):
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def sink(mon: MonitorConfig, info: StageInfo) -> Callback:
+    """``monitor.sinks: [wandb]``: one W&B run per stage in project ``monitor.wandb_project``."""
+    group = info.run_dir.name if info.run_dir else info.out_dir.name
+    return WandB(info.out_dir, mon.wandb_project, group, info.name, info.config)

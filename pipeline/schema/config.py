@@ -457,16 +457,20 @@ class DataPrepStage:
         _choice("data_prep.launcher", self.launcher, ("files", "mpi"))
 
 
+SINK_NAMES: tuple[str, ...] = ("tensorboard", "wandb", "mlflow")
+"""The logging sinks ``<stage>.monitor.sinks`` may name (engine.callbacks.setup.SINKS: one factory per name)."""
+
+
 @dataclass
 class MonitorConfig:
     """What a training stage reports besides metrics.jsonl (sinks, rank 0 only) and when it raises an alarm."""
 
-    tensorboard: bool = True
-    """Write TensorBoard event files to <stage dir>/tensorboard (``tensorboard --logdir <run_dir>``)."""
-    wandb: bool = False
-    """Log to Weights & Biases (pip extra ``wandb``); offline unless WANDB_API_KEY or WANDB_MODE is set."""
+    sinks: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Where rank 0 mirrors metrics.jsonl, any of tensorboard (<stage dir>/tensorboard), wandb (pip extra ``wandb``), mlflow (pip extra ``mlflow``); e.g. ``pretrain.monitor.sinks=[tensorboard,wandb]``."""
     wandb_project: str = "llm-pipeline"
     """W&B project; runs are grouped by the run directory's name, one W&B run per stage."""
+    mlflow_uri: str | None = None
+    """MLflow tracking URI (None: ``sqlite:///<run_dir>/mlflow.db``, artifacts in <run_dir>/mlartifacts); one experiment per run directory, one MLflow run per stage."""
     alarm_loss_spike: float = num(3.0, gt=1, or_zero=True)
     """Alarm when a logged loss exceeds this x the running mean of the previous logged losses; 0 = off."""
     alarm_grad_norm: float = num(1e5, ge=0)
@@ -482,6 +486,10 @@ class MonitorConfig:
         check_domains(self)
         if not self.wandb_project or "/" in self.wandb_project:
             _fail("wandb_project", self.wandb_project, "must be a non-empty name without '/'")
+        for name in self.sinks:
+            _choice("sinks", name, SINK_NAMES)
+        if len(set(self.sinks)) != len(self.sinks):
+            _fail("sinks", self.sinks, "each sink at most once")
 
 
 LORA_TARGETS: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -1012,7 +1020,7 @@ IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
     "the stage",
     "async_save": "checkpoint writing in the background: the saved state is the same",
     "checkpoint_verify": "how a resume checks checkpoint files: only decides which checkpoint is trusted",
-    "monitor": "sinks (TensorBoard, W&B) and alarm thresholds only observe the run",
+    "monitor": "sinks (TensorBoard, W&B, MLflow) and alarm thresholds only observe the run",
 }
 IDENTITY_PARALLEL_KEYS = ("global_batch_size", "precision")
 """The only parallel keys that change results; the rest is the layout, which must not (same weights at step 0
