@@ -18,7 +18,7 @@ test: setup
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	.venv/bin/lint-imports
-	.venv/bin/mkdocs build --strict -q -d .venv/site
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q -d .venv/site
 	bash scripts/check_wheel.sh
 	$(PY) -m pytest
 
