@@ -480,3 +480,12 @@ def test_one_paragraph_packer_for_corpus_files_and_sources(tmp_path: Path) -> No
     src = DataSource(path=str(tmp_path / "a.txt"))
     units, _ = ds.plan_units([src], 1 << 30)
     assert len(files_docs) > 5 and list(ds.unit_records(units[0], src)) == files_docs
+
+
+def test_preflight_sample_check_of_a_csv_names_the_missing_column(tmp_path: Path) -> None:
+    from engine.data.formats import check_source
+
+    write_csv_pair(tmp_path)
+    assert check_source(DataSource(path=str(tmp_path / "g.csv"), text_field="body"), "k") == []
+    (problem,) = check_source(DataSource(path=str(tmp_path / "h.tsv"), template="{title} {nope}"), "k")
+    assert "h.tsv: no column 'nope'" in problem

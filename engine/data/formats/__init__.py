@@ -21,7 +21,7 @@ FORMATS: dict[str, Format] = {
 }
 """Every format by name, in auto-detection order (whole-path formats by ``detect``, files by suffix)."""
 
-__all__ = ["FORMATS", "Bad", "Format", "Unit", "file_format", "source_format"]
+__all__ = ["FORMATS", "Bad", "Format", "Unit", "check_source", "file_format", "source_format"]
 
 
 def file_format(path: Path) -> str | None:
@@ -43,3 +43,13 @@ def source_format(src: Any, key: str) -> str:
             f"{key}.path={src.path!r}: mixed formats {sorted(map(str, fmts))}; give one format per source"
         )
     return str(fmts.pop())
+
+
+def check_source(src: Any, key: str) -> list[str]:
+    """Pre-flight, before any job: each file of a source passes its format's sample check (``check_sample``)."""
+    try:
+        fmt = FORMATS[source_format(src, key)]
+        files = fmt.files(src, key)
+    except ValueError:  # missing or mixed: the pre-flight file checks or data_prep name it
+        return []
+    return [p for f in files for p in fmt.check_sample(src, key, f)]

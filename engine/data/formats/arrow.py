@@ -51,6 +51,20 @@ class Parquet(Format):
         )
         yield from batch_records(batches, cols, names, src, f"{unit.path} row", row0)
 
+    def check_sample(self, src: Any, key: str, path: Path) -> list[str]:
+        import pyarrow.parquet as pq
+
+        try:
+            names = set(pq.ParquetFile(path).schema_arrow.names)
+        except Exception as e:  # pyarrow raises several types for a damaged file
+            return [f"{key}: {path}: not a readable Parquet file: {e}"]
+        return _missing_columns(src, key, path, names)
+
+
+def _missing_columns(src: Any, key: str, path: Path, names: set[str] | list[str]) -> list[str]:
+    missing = [c for c in columns(src) if c not in names]
+    return [f"{key}: {path}: no column {missing[0]!r} (columns: {sorted(names)})"] if missing else []
+
 
 def _hf_dir(path: Path) -> Path:
     """A save_to_disk folder: the folder itself, or its ``train`` split for a DatasetDict."""

@@ -69,6 +69,10 @@ class Format:
         """The documents of one unit (or Bad for malformed records), in file order."""
         raise NotImplementedError(self.name)
 
+    def check_sample(self, src: Any, key: str, path: Path) -> list[str]:
+        """Pre-flight, before any job: problems with the first record of ``path`` (none checked by default)."""
+        return []
+
 
 def list_files(src: Any, key: str, accept: Callable[[Path], bool], label: str | None) -> list[Path]:
     """A source's files, sorted: a glob's hits, a directory's accepted files, or the file itself.
@@ -144,7 +148,7 @@ def from_record(rec: Any, src: Any) -> str | Bad:
 
 
 def columns(src: Any) -> list[str]:
-    """The fields a record needs: those the template names, else ``text_field``."""
+    """The fields a record needs (sorted): those the template names, else ``text_field``."""
     if src.template:
         return sorted({f for _, f, _, _ in string.Formatter().parse(src.template) if f})
     return [src.text_field]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from engine.data.formats.base import Bad, Format, Unit, columns, from_record
@@ -34,7 +35,7 @@ class Csv(Format):
 
     def records(self, unit: Unit, src: Any) -> Iterator[str | Bad]:
         csv.field_size_limit(FIELD_LIMIT)
-        delimiter = "\t" if unit.path.endswith(".tsv") else ","
+        delimiter = _delimiter(unit.path)
         with open(unit.path, encoding="utf-8", errors="surrogateescape", newline="") as f:
             reader = csv.reader(f, delimiter=delimiter)
             header = next(reader, None)
@@ -52,6 +53,21 @@ class Csv(Format):
                     continue
                 if row:  # blank lines carry no record
                     yield _row_document(row, header, missing, src, where, delimiter)
+
+    def check_sample(self, src: Any, key: str, path: Path) -> list[str]:
+        try:
+            with open(path, encoding="utf-8", newline="") as f:
+                header = next(csv.reader(f, delimiter=_delimiter(str(path))), None)
+        except (UnicodeDecodeError, csv.Error) as e:
+            return [f"{key}: {path}:1: not a readable CSV header: {e}"]
+        if header is None:
+            return [f"{key}: {path}: no header row"]
+        missing = [c for c in columns(src) if c not in header]
+        return [f"{key}: {path}: no column {missing[0]!r} (columns: {sorted(header)})"] if missing else []
+
+
+def _delimiter(path: str) -> str:
+    return "\t" if path.endswith(".tsv") else ","
 
 
 def _row_document(

@@ -68,3 +68,12 @@ class Jsonl(Format):
             if isinstance(doc, Bad):
                 doc.where = where(n)
             yield doc
+
+    def check_sample(self, src: Any, key: str, path: Path) -> list[str]:
+        for n, rec in json_lines(numbered_lines(path)):
+            if isinstance(rec, Bad):
+                return [f"{key}: {path}:{n}: {rec.reason}"]
+            if src.template is None and not isinstance(from_record(rec, src), str):
+                return [f"{key}: {path}:{n}: no string field {src.text_field!r}"]
+            return []
+        return [f"{key}: {path}: no records"]
