@@ -119,11 +119,12 @@ def split_documents(docs: list[str], valid_fraction: float, seed: int) -> tuple[
 
 
 def task_documents(
-    held: tasks.TaskSplit, n_text: int, fraction: float, rng: np.random.Generator
+    held: tasks.TaskSplit, n_text: int, fraction: float, rng: np.random.Generator, at_least: int = 0
 ) -> list[str]:
-    """Plain-text arithmetic documents making up ``fraction`` of the training documents (held-out prompts excluded)."""
+    """Plain-text arithmetic documents making up ``fraction`` of the training documents (held-out prompts
+    excluded), at least ``at_least`` of them."""
     fraction = min(fraction, 0.99)
-    n = round(n_text * fraction / (1 - fraction))
+    n = max(at_least, round(n_text * fraction / (1 - fraction)))
     problems = held.train_problems(n * TASK_PROBLEMS_PER_DOC, rng)
     return [
         tasks.text_document(problems[i : i + TASK_PROBLEMS_PER_DOC])

@@ -18,7 +18,7 @@ from pipeline.records.files import atomic_write_text as _atomic_write
 from pipeline.schema.config import PipelineConfig
 from stages import tasks
 from stages.data_prep.chat_files import write_chat_files
-from stages.data_prep.corpus import HELD_OUT, MIX, TASK_PROBLEMS_PER_DOC, rng, task_documents
+from stages.data_prep.corpus import HELD_OUT, MIX, rng, task_documents
 from stages.data_prep.outputs import write_manifest, write_shard, write_task_files
 from stages.data_prep.tokenizer import (
     build_tokenizer,
@@ -142,7 +142,11 @@ def _merge_sources(
         text_files.append(f"text_{split}")
         for j, k in dups.items():
             per[names[j]]["duplicates"] += k
-    task_docs = _task_mix_documents(held, train_docs, d.task_mix_fraction, d.seed)
+    task_docs: list[str] = []
+    if (
+        d.task_mix_fraction > 0
+    ):  # its own dataset in the blend, weighted task_mix_fraction; at least one document
+        task_docs = task_documents(held, train_docs, d.task_mix_fraction, rng(d.seed, MIX), at_least=1)
     if task_docs:
         tmp = out / ".text_train-task.tmp"
         tokens["task"] = write_shard(tokenizer, task_docs, tmp, dtype)
@@ -198,20 +202,6 @@ def _source_counts(scratch: Path, units: list[Any], names: list[str]) -> dict[st
             if len(c["examples"]) < ds.EXAMPLES_KEPT:
                 c["examples"].append(ex)
     return per
-
-
-def _task_mix_documents(held: tasks.TaskSplit, train_docs: int, fraction: float, seed: int) -> list[str]:
-    """The task's own dataset in the blend (weighted ``task_mix_fraction``; at least one document when on)."""
-    if fraction <= 0:
-        return []
-    f = min(fraction, 0.99)
-    problems = held.train_problems(
-        max(1, round(train_docs * f / (1 - f))) * TASK_PROBLEMS_PER_DOC, rng(seed, MIX)
-    )
-    return [
-        tasks.text_document(problems[i : i + TASK_PROBLEMS_PER_DOC])
-        for i in range(0, len(problems), TASK_PROBLEMS_PER_DOC)
-    ]
 
 
 def _digest(obj: Any) -> str:
