@@ -98,15 +98,9 @@ def _dpo_unit(env: Any) -> tuple[Any, None]:
 
 
 def _preferences(d: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
-    """Users' pairs (data.pref_paths, rendered by data_prep) when given, else the generated pref_train.jsonl."""
-    from engine.data.datasets import preference_source, read_manifest
+    from engine.data.chat import train_preferences
 
-    chat_file = read_manifest(d, verify=False).get("pref_file")
-    if chat_file:
-        from engine.data.chat import chat_preference_source
-
-        return chat_preference_source(d / chat_file, tokenizer, seq_length, seed)
-    return preference_source(d / "pref_train.jsonl", tokenizer, seq_length, seed)
+    return train_preferences(d, tokenizer, seq_length, seed)
 
 
 def _reference(path: Path, prefs: Any, env: Any) -> np.ndarray:

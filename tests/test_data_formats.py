@@ -259,8 +259,8 @@ def test_blend_weights_respected_over_10000_samples(prepared: tuple[Path, dict],
 
 
 def test_source_config_errors_name_the_key(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"format='csv'"):
-        DataSource(path="x", format="csv")
+    with pytest.raises(ConfigError, match=r"format='xml'"):
+        DataSource(path="x", format="xml")
     with pytest.raises(ConfigError, match=r"weight"):
         DataSource(path="x", weight=0)
     with pytest.raises(ConfigError, match=r"sources"):
@@ -390,3 +390,102 @@ def test_sentencepiece_model_as_tokenizer(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"data\.tokenizer_path=.*nope\.model"):
         cfg.data.tokenizer_path = str(tmp_path / "nope.model")
         run_prep(cfg, tmp_path / "dp2")
+
+
+# ---------------------------------------------------------------------------- the format registry, csv/tsv
+
+
+def test_format_registry_matches_the_schema_names() -> None:
+    from engine.data.formats import FORMATS
+    from pipeline.schema.config import SOURCE_FORMATS
+
+    assert set(FORMATS) == set(SOURCE_FORMATS) - {"auto"}
+
+
+def write_csv_pair(root: Path) -> dict[str, list[str]]:
+    """A .csv (quoted commas and newlines) and a .tsv of title/body rows; returns the rows' "title: body"."""
+    import csv
+
+    root.mkdir(parents=True, exist_ok=True)
+    out: dict[str, list[str]] = {}
+    for name, delim in (("g.csv", ","), ("h.tsv", "\t")):
+        texts = docs(30, len(out) + 10, name[0])
+        rows = [(t.split(": ", 1)[0], t.split(": ", 1)[1].replace(" war", ", war\nand")) for t in texts]
+        with open(root / name, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f, delimiter=delim)
+            w.writerow(["id", "title", "body"])
+            w.writerows([(i, a, b) for i, (a, b) in enumerate(rows)])
+        out[name] = [f"{a}: {b}" for a, b in rows]
+    return out
+
+
+def test_csv_and_tsv_read_a_column_or_a_template(tmp_path: Path) -> None:
+    expected = write_csv_pair(tmp_path)
+    for name, texts in expected.items():
+        for src, want in (
+            (DataSource(path=str(tmp_path / name), template="{title}: {body}"), texts),
+            (DataSource(path=str(tmp_path / name), text_field="body"), [t.split(": ", 1)[1] for t in texts]),
+        ):
+            units, fmts = ds.plan_units([src], 1 << 20)
+            assert fmts == ["csv"] and len(units) == 1
+            assert list(ds.unit_records(units[0], src)) == want
+
+
+def test_csv_bad_rows_are_counted_or_fail_naming_the_line(tmp_path: Path) -> None:
+    good = docs(20, 5, "c")
+    raw = "title,body\n" + "".join(f'"t{i}","{t}"\n' for i, t in enumerate(good[:10]))
+    raw += "only-one-column\n"  # line 12: wrong column count
+    raw += '"t","a","b"\n'  # line 13: one column too many
+    data = (
+        raw.encode()
+        + b'"t","\xff\xfe bad bytes"\n'
+        + "".join(f't{i},"{t}"\n' for i, t in enumerate(good[10:])).encode()
+    )
+    (tmp_path / "bad.csv").write_bytes(data)
+    cfg = sources_cfg(tmp_path, valid_fraction=0.0, test_fraction=0.0)
+    cfg.data.sources = [DataSource(path=str(tmp_path / "bad.csv"), text_field="body", name="bad")]
+    with pytest.raises(ValueError, match=r"bad\.csv:12: 1 columns, the header has 2"):
+        run_prep(cfg, tmp_path / "dp")
+    cfg.data.bad_records = "skip"
+    c = run_prep(cfg, tmp_path / "dp")["sources"]["bad"]
+    assert (c["documents"], c["malformed"]) == (20, 3)
+    assert "bad.csv:13" in c["examples"][1] and "undecodable" in c["examples"][2]
+    cfg.data.sources = [DataSource(path=str(tmp_path / "bad.csv"), template="{title} {nope}", name="bad")]
+    c = run_prep(cfg, tmp_path / "dp2")["sources"]["bad"]
+    assert (c["documents"], c["malformed"]) == (0, 23) and "no field 'nope'" in c["examples"][0]
+
+
+def test_csv_sources_end_to_end(tmp_path: Path) -> None:
+    expected = write_csv_pair(tmp_path)
+    cfg = sources_cfg(tmp_path, valid_fraction=0.0, test_fraction=0.0)
+    cfg.data.sources = [
+        DataSource(path=str(tmp_path / "g.csv"), template="{title}: {body}", name="csv"),
+        DataSource(path=str(tmp_path / "h.tsv"), format="csv", template="{title}: {body}", name="tsv"),
+    ]
+    out = tmp_path / "dp"
+    r = run_prep(cfg, out)
+    read_manifest(out)
+    tok = load_tokenizer(out / "tokenizer.json")
+    assert read_docs(out / "text_train-csv", tok) == expected["g.csv"]
+    assert read_docs(out / "text_train-tsv", tok) == expected["h.tsv"]
+    assert r["sources"]["csv"]["documents"] == 30 and r["sources"]["tsv"]["malformed"] == 0
+
+
+def test_one_paragraph_packer_for_corpus_files_and_sources(tmp_path: Path) -> None:
+    from stages import data_prep
+
+    paras = [" ".join(docs(3, i, "p")) + ("  \n  indented line" if i % 3 else "") for i in range(300)]
+    (tmp_path / "a.txt").write_text("\n\n\n".join(paras) + "\n \n")
+    files_docs, _ = data_prep.read_corpus(DataConfig(corpus="files", text_paths=[str(tmp_path / "a.txt")]))
+    src = DataSource(path=str(tmp_path / "a.txt"))
+    units, _ = ds.plan_units([src], 1 << 30)
+    assert len(files_docs) > 5 and list(ds.unit_records(units[0], src)) == files_docs
+
+
+def test_preflight_sample_check_of_a_csv_names_the_missing_column(tmp_path: Path) -> None:
+    from engine.data.formats import check_source
+
+    write_csv_pair(tmp_path)
+    assert check_source(DataSource(path=str(tmp_path / "g.csv"), text_field="body"), "k") == []
+    (problem,) = check_source(DataSource(path=str(tmp_path / "h.tsv"), template="{title} {nope}"), "k")
+    assert "h.tsv: no column 'nope'" in problem

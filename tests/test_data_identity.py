@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.data.formats import check_source
 from pipeline.records.ledger import COMPLETED, Ledger, StageRecord
 from pipeline.schema import data_identity
 from pipeline.schema.config import load_config, run_hash, stage_hashes
@@ -119,14 +120,14 @@ def test_preflight_names_missing_empty_and_unparseable_inputs(tmp_path: Path) ->
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"txt": "no text field"}\n')
     cfg = load_config(overrides(tmp_path, good))
-    assert data_identity.check_data_inputs(cfg) == []
+    assert data_identity.check_data_inputs(cfg, check_source) == []
     cfg.data.sources[0].path = str(tmp_path / "*.jsonl")
     cfg.data.sft_paths = [str(tmp_path / "missing.jsonl")]
-    problems = "\n".join(data_identity.check_data_inputs(cfg))
+    problems = "\n".join(data_identity.check_data_inputs(cfg, check_source))
     assert "empty: " + str(tmp_path / "empty.jsonl") in problems
     assert "bad.jsonl:1: no string field 'text'" in problems
     assert "not found: " + str(tmp_path / "missing.jsonl") in problems
     cfg = load_config(
         [*overrides(tmp_path, tmp_path / "bad.jsonl"), "pretrain.parallel.global_batch_size=64"]
     )
-    assert "fewer than one global batch" in "\n".join(data_identity.check_data_inputs(cfg))
+    assert "fewer than one global batch" in "\n".join(data_identity.check_data_inputs(cfg, check_source))

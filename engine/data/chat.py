@@ -22,8 +22,6 @@ template whose rendering of a longer conversation does not extend the shorter on
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,22 +131,13 @@ def iter_records(path: Path) -> Iterator[tuple[str, Any]]:
                 row += 1
                 yield f"{path} row {row}", rec
         return
-    if name.endswith(".gz"):
-        stream: Any = gzip.open(path, "rb")
-    elif name.endswith(".zst"):
-        import zstandard
+    from engine.data.formats.base import Bad
+    from engine.data.formats.jsonl import json_lines, numbered_lines
 
-        stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
-    else:
-        stream = open(path, "rb")
-    with stream:
-        for n, line in enumerate(stream, 1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{n}", json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path}:{n}: not valid JSON: {e}") from e
+    for n, rec in json_lines(numbered_lines(path)):
+        if isinstance(rec, Bad):
+            raise ValueError(f"{path}:{n}: {rec.reason}")
+        yield f"{path}:{n}", rec
 
 
 def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
@@ -279,3 +268,14 @@ def chat_preference_source(path: Path, tokenizer: Any, seq_length: int, seed: in
     )
     source.num_truncated = truncated  # type: ignore[attr-defined]
     return source
+
+
+def train_preferences(data_dir: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
+    """The preference pairs DPO and the reward model train on: users' pairs (data.pref_paths, rendered by
+    data_prep: the manifest's ``pref_file``) when given, else the generated pref_train.jsonl."""
+    from engine.data.datasets import preference_source, read_manifest
+
+    chat_file = read_manifest(data_dir, verify=False).get("pref_file")
+    if chat_file:
+        return chat_preference_source(data_dir / chat_file, tokenizer, seq_length, seed)
+    return preference_source(data_dir / "pref_train.jsonl", tokenizer, seq_length, seed)

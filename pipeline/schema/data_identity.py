@@ -205,12 +205,13 @@ def shared_data_prep(pc: Any, out_dir: Path, prepare: Callable[[], dict[str, Any
 # ---------------------------------------------------------------------------- pre-flight
 
 
-def check_data_inputs(pc: Any) -> list[str]:
+def check_data_inputs(pc: Any, check_source: Callable[[Any, str], list[str]]) -> list[str]:
     """Problems with data_prep's inputs, found before any job starts (empty list: all good).
 
-    Every input file must exist, be readable and not be empty; the first record of a JSON-lines file must
-    parse and hold the source's field; a Parquet file must have the columns; and the corpus must hold
-    (roughly, at 4 bytes per token) the tokens of one global batch of pretrain.
+    Every input file must exist, be readable and not be empty; each source passes ``check_source(src, key)``
+    (engine.data.formats.check_source: its format's sample check, e.g. the first JSON-lines record parses and
+    holds the source's field, a Parquet or CSV file has the columns); and the corpus must hold (roughly, at 4
+    bytes per token) the tokens of one global batch of pretrain.
     """
     d = pc.data
     problems: list[str] = []
@@ -228,7 +229,7 @@ def check_data_inputs(pc: Any) -> list[str]:
         total += size
     if d.corpus == "sources":
         for i, src in enumerate(d.sources):
-            problems += _check_sample(src, f"data.sources[{i}]")
+            problems += check_source(src, f"data.sources[{i}]")
     for key, pats in (("data.sft_paths", d.sft_paths), ("data.pref_paths", d.pref_paths)):
         for pat in pats:
             for f in _expand(pat):
@@ -257,31 +258,3 @@ def _first_json(f: Path, key: str, field: str | None) -> list[str]:
                 return [f"{key}: {f}:{n}: no string field {field!r}"]
             return []
     return [f"{key}: {f}: no records"]
-
-
-def _check_sample(src: Any, key: str) -> list[str]:
-    if src.format in ("megatron", "shakespeare", "hf"):
-        return []
-    out: list[str] = []
-    for f in _expand(src.path):
-        if not f.is_file():
-            continue
-        if f.name.endswith(".jsonl"):
-            out += _first_json(f, key, None if src.template else src.text_field)
-        elif f.name.endswith(".parquet"):
-            try:
-                import pyarrow.parquet as pq
-
-                names = set(pq.ParquetFile(f).schema_arrow.names)
-            except Exception as e:  # pyarrow raises several types for a damaged file
-                out.append(f"{key}: {f}: not a readable Parquet file: {e}")
-                continue
-            if src.template:
-                import string
-
-                wanted = {x for _, x, _, _ in string.Formatter().parse(src.template) if x}
-            else:
-                wanted = {src.text_field}
-            if wanted - names:
-                out.append(f"{key}: {f}: no column {sorted(wanted - names)[0]!r} (columns: {sorted(names)})")
-    return out

@@ -214,9 +214,10 @@ def _users_data(cfg: PipelineConfig, stage: str) -> None:
     d = cfg.data
     if d.corpus != "sources" and not d.sft_paths and not d.pref_paths:
         return
+    from engine.data.formats import check_source
     from pipeline.schema.data_identity import check_data_inputs
 
-    problems = check_data_inputs(cfg)
+    problems = check_data_inputs(cfg, check_source)
     if problems:
         raise ConfigError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 

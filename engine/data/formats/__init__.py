@@ -1,0 +1,55 @@
+"""The registry of pretraining source formats (``data.sources[].format``): name -> :class:`Format`.
+
+A new format is one module here (a :class:`~engine.data.formats.base.Format` subclass: ``detect``/``matches``,
+``units``, ``records``), one entry in ``FORMATS`` and its name in ``pipeline.schema.config.SOURCE_FORMATS``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from engine.data.formats.arrow import Hf, Parquet
+from engine.data.formats.base import Bad, Format, Unit, list_files
+from engine.data.formats.delimited import Csv
+from engine.data.formats.jsonl import Jsonl
+from engine.data.formats.megatron import Megatron
+from engine.data.formats.text import Shakespeare, Text
+
+FORMATS: dict[str, Format] = {
+    f.name: f for f in (Megatron(), Hf(), Text(), Jsonl(), Parquet(), Csv(), Shakespeare())
+}
+"""Every format by name, in auto-detection order (whole-path formats by ``detect``, files by suffix)."""
+
+__all__ = ["FORMATS", "Bad", "Format", "Unit", "check_source", "file_format", "source_format"]
+
+
+def file_format(path: Path) -> str | None:
+    """The format reading ``path`` by its name, or None."""
+    return next((name for name, f in FORMATS.items() if f.matches(path)), None)
+
+
+def source_format(src: Any, key: str) -> str:
+    """The concrete format of a source (``auto`` resolved from its path)."""
+    if src.format != "auto":
+        return str(src.format)
+    for name, f in FORMATS.items():
+        if f.detect(src.path):
+            return name
+    files = list_files(src, key, lambda p: file_format(p) is not None, None)
+    fmts = {file_format(f) for f in files}
+    if len(fmts) != 1:
+        raise ValueError(
+            f"{key}.path={src.path!r}: mixed formats {sorted(map(str, fmts))}; give one format per source"
+        )
+    return str(fmts.pop())
+
+
+def check_source(src: Any, key: str) -> list[str]:
+    """Pre-flight, before any job: each file of a source passes its format's sample check (``check_sample``)."""
+    try:
+        fmt = FORMATS[source_format(src, key)]
+        files = fmt.files(src, key)
+    except ValueError:  # missing or mixed: the pre-flight file checks or data_prep name it
+        return []
+    return [p for f in files for p in fmt.check_sample(src, key, f)]

@@ -1,0 +1,210 @@
+"""corpus=sources: units of work over every source (engine.data.sources), shards per unit (resumable), merge,
+blend, manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.data.datasets import MANIFEST, Tokenizer
+from engine.data.formats import FORMATS
+from pipeline.records.files import atomic_write_text as _atomic_write
+from pipeline.schema.config import PipelineConfig
+from stages import tasks
+from stages.data_prep.chat_files import write_chat_files
+from stages.data_prep.corpus import HELD_OUT, MIX, rng, task_documents
+from stages.data_prep.outputs import write_manifest, write_shard, write_task_files
+from stages.data_prep.tokenizer import (
+    build_tokenizer,
+    copy_hf_tokenizer_files,
+    token_dtype,
+    tokenizer_from_str,
+    tokenizer_text,
+)
+from stages.data_prep.world import World
+
+
+def prepare_sources(cfg: PipelineConfig, out: Path, world: World) -> dict[str, Any]:
+    """corpus=sources: units of work over every source, shards per unit (resumable), merge, blend, manifest.
+
+    See ``engine.data.sources``. The scratch folder ``.shards-<key>`` is named by the data config and
+    the tokenizer, so a rerun after a kill keeps every finished shard and redoes only the others.
+    """
+    from engine.data import sources as ds
+
+    d = cfg.data
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    if world.rank == 0:
+        (out / MANIFEST).unlink(missing_ok=True)
+    units, fmts = world.on_root(lambda: ds.plan_units(d.sources, max(1, int(d.shard_mb * 1e6))))
+    held = tasks.make_split(d.num_eval_examples, d.max_operand, rng(d.seed, HELD_OUT), d.task)
+
+    def tokenizer_json() -> str:
+        if d.tokenizer_path is not None:
+            return tokenizer_text(d, [])
+        sample = list(ds.sample_documents(units, d.sources, d, int(d.tokenizer_sample_mb * 1e6)))
+        sample += task_documents(held, len(sample), d.task_mix_fraction, rng(d.seed, MIX))
+        return str(build_tokenizer(d, sample).to_str())
+
+    tok_json = world.on_root(tokenizer_json)
+    tokenizer = tokenizer_from_str(tok_json, d)
+    dtype = token_dtype(tokenizer.vocab_size)
+    timings["tokenizer_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    key = _digest({"data": cfg.to_dict()["data"], "tokenizer": tok_json})
+    scratch = out / f".shards-{key}"
+    if world.rank == 0:
+        for stale in [*out.glob(".shards-*"), *out.glob(".world-*")]:
+            if stale not in (scratch, getattr(world, "folder", None)):
+                shutil.rmtree(stale, ignore_errors=True)
+        scratch.mkdir(exist_ok=True)
+    world.barrier()
+    error: Exception | None = None
+    resumed = 0
+    try:
+        for u in units[world.rank :: world.size]:
+            if ds.unit_done(scratch, u) is not None:
+                resumed += 1
+                continue
+            ds.write_unit(u, d.sources[u.source], d, tokenizer, dtype, scratch)
+    except Exception as e:  # every rank must learn of it, or the others wait at the barrier forever
+        error = e
+    errors = world.allgather(error)
+    for err in errors:
+        if err is not None:
+            raise err
+    resumed = world.sum(resumed)
+    timings["tokenize_s"] = time.perf_counter() - t
+    if world.rank != 0:
+        world.barrier()
+        return {"rank": world.rank}
+    try:
+        t = time.perf_counter()
+        result = _merge_sources(cfg, out, scratch, units, fmts, held, tokenizer, dtype, tok_json)
+        timings["merge_s"] = time.perf_counter() - t
+    finally:
+        world.barrier()
+    shutil.rmtree(scratch, ignore_errors=True)
+    result.update(ranks=world.size, units=len(units), units_resumed=resumed)
+    result["timings"] = {k: round(v, 3) for k, v in timings.items()}
+    return result
+
+
+def _merge_sources(
+    cfg: PipelineConfig,
+    out: Path,
+    scratch: Path,
+    units: list[Any],
+    fmts: list[str],
+    held: tasks.TaskSplit,
+    tokenizer: Tokenizer,
+    dtype: type[np.number],
+    tok_json: str,
+) -> dict[str, Any]:
+    from engine.data import sources as ds
+
+    d = cfg.data
+    names = [ds.source_name(s, i) for i, s in enumerate(d.sources)]
+    per = _source_counts(scratch, units, names)
+    seen: set[bytes] | None = set() if d.dedup else None
+    blend: list[dict[str, Any]] = []
+    text_files: list[str] = []
+    tokens: dict[str, int] = {}
+    text_weight = 1.0 - (d.task_mix_fraction if d.task_mix_fraction > 0 else 0.0)
+    total_w = sum(s.weight for s in d.sources)
+    train_docs = 0
+    for i, (src, fmt) in enumerate(zip(d.sources, fmts)):
+        w = text_weight * src.weight / total_w
+        if FORMATS[fmt].tokenized:  # joins the blend as it is
+            blend.append({"prefix": str(Path(src.path).resolve()), "weight": w, "source": names[i]})
+            continue
+        prefix = f"text_train-{names[i]}"
+        n, toks, dups = ds.merge_units(
+            scratch, [u for u in units if u.source == i], "train", out / prefix, dtype, seen
+        )
+        per[names[i]]["tokens_train"] = toks
+        for j, k in dups.items():
+            per[names[j]]["duplicates"] += k
+        train_docs += n
+        text_files.append(prefix)
+        blend.append({"prefix": prefix, "weight": w, "source": names[i]})
+    for split in ("valid", "test"):
+        n, toks, dups = ds.merge_units(scratch, units, split, out / f"text_{split}", dtype, seen)
+        tokens[split] = toks
+        text_files.append(f"text_{split}")
+        for j, k in dups.items():
+            per[names[j]]["duplicates"] += k
+    task_docs: list[str] = []
+    if (
+        d.task_mix_fraction > 0
+    ):  # its own dataset in the blend, weighted task_mix_fraction; at least one document
+        task_docs = task_documents(held, train_docs, d.task_mix_fraction, rng(d.seed, MIX), at_least=1)
+    if task_docs:
+        tmp = out / ".text_train-task.tmp"
+        tokens["task"] = write_shard(tokenizer, task_docs, tmp, dtype)
+        for ext in (".bin", ".idx"):
+            os.replace(f"{tmp}{ext}", out / f"text_train-task{ext}")
+        text_files.append("text_train-task")
+        blend.append({"prefix": "text_train-task", "weight": 1.0 - text_weight, "source": "task"})
+    for name, c in per.items():
+        if c.get("malformed"):
+            print(
+                f"[data_prep] {name}: skipped {c['malformed']} malformed records, e.g. {c.get('examples', [])}"
+            )
+    counts = write_task_files(out, d, held)
+    _atomic_write(out / "tokenizer.json", tok_json)
+    copy_hf_tokenizer_files(d, out)
+    counts.update(write_chat_files(out, d, tokenizer))
+    counts.update(
+        documents_train=train_docs + len(task_docs),
+        documents_task=len(task_docs),
+        tokens_train=sum(int(c.get("tokens_train", 0)) for c in per.values()) + tokens.get("task", 0),
+        tokens_valid=tokens["valid"],
+        tokens_test=tokens["test"],
+    )
+    extra = {"blend": blend, "sources": per}
+    files = [str(u.path) for u in units]
+    manifest = write_manifest(out, d, tokenizer, dtype, counts, sorted(set(files)), text_files, extra)
+    return {
+        "data_dir": str(out),
+        "vocab_size": tokenizer.vocab_size,
+        "counts": manifest["counts"],
+        "sources": per,
+        "blend": blend,
+    }
+
+
+def _source_counts(scratch: Path, units: list[Any], names: list[str]) -> dict[str, dict[str, Any]]:
+    """Per source: the units' counts summed (documents, malformed, empty, too_short, too_long; duplicates are
+    counted at the merge) and the first malformed examples."""
+    from engine.data import sources as ds
+
+    per: dict[str, dict[str, Any]] = {
+        n: {"documents": 0, "malformed": 0, "empty": 0, "too_short": 0, "too_long": 0, "duplicates": 0}
+        for n in names
+    }
+    for u in units:
+        info = ds.unit_done(scratch, u)
+        assert info is not None, f"unit {u.index} has no done marker"
+        c = per[names[u.source]]
+        for k, v in info["counts"].items():
+            c[k] += v
+        for ex in info["examples"]:
+            c.setdefault("examples", [])
+            if len(c["examples"]) < ds.EXAMPLES_KEPT:
+                c["examples"].append(ex)
+    return per
+
+
+def _digest(obj: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
