@@ -240,7 +240,10 @@ def preload() -> None:
     from engine.runtime import distributed
 
     distributed.prepare_imports()
-    _import_project()
+    try:
+        _import_project()
+    except Exception as e:  # the rank imports it itself (and reports the error there)
+        print(f"[prefork] project modules not all preloaded: {type(e).__name__}: {e}", flush=True)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
