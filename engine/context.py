@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,17 @@ class StageContext:
     """out_dir of each completed upstream stage, by stage name."""
     plan: ParallelPlan | None = None
     """The derived parallel layout of this stage."""
+    attempt: int = 0
+    """The stage's attempt number from the ledger on rank 0 (1 = first start); 0 on the other ranks and
+    outside the launcher (the resume record of the trainer says which attempt resumed)."""
+    restarts: int = 0
+    """How many times the scheduler restarted this job (SLURM_RESTART_COUNT, read by the launcher)."""
+    may_requeue: bool = False
+    """The job runs under SLURM with requeues left (``restarts < cluster.max_requeues``): a hung rank may ask
+    for a requeue (engine.runtime.signals.Watchdog)."""
+    on_hang: tuple[Callable[[], None], ...] = ()
+    """Called by a firing hang watchdog just before the rank exits (the local launcher ends the job's other
+    ranks: pipeline.submit.launch.end_local_job)."""
 
     @property
     def metrics_path(self) -> Path:

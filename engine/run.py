@@ -131,7 +131,7 @@ def train_stage(
     plan = ctx.plan
     started = {"imports": time.time()}
     stop_flag = StopFlag().install()  # before init: a signal during start-up is not lost
-    watchdog = Watchdog(st.hang_timeout_s, max_requeues=cfg.cluster.max_requeues).start()
+    watchdog = Watchdog(st.hang_timeout_s, may_requeue=ctx.may_requeue, on_hang=ctx.on_hang).start()
     D.init(par.tp, par.pp, plan.vpp if plan else par.vpp, seed=st.seed, threads=st.threads)
     set_verify_mode(st.checkpoint_verify)
     started["init"] = time.time()
@@ -186,7 +186,7 @@ def train_stage(
         )
         started["data"] = time.time()
         trainer.restore(
-            init_weights=not getattr(ckpt, "init_weights_loaded", False)
+            init_weights=not getattr(ckpt, "init_weights_loaded", False), attempt=ctx.attempt
         )  # reward_model loaded its backbone
         started["restore"] = time.time()
         if D.is_rank0():

@@ -1,1 +1,1 @@
-"""LLM training pipeline: config, stage graph, submission, ledger, reports (no torch imports here)."""
+"""The pipeline's layers, top down: cli > submit > reporting > (stages, engine) > schema > records | slurm."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import stages
 from pipeline.schema import graph
 from pipeline.schema.config import ConfigError, PipelineConfig, stage_hashes
 from pipeline.schema.graph import required
@@ -16,7 +17,8 @@ from pipeline.schema.graph import required
 def test_every_stage_has_its_module_and_config_section() -> None:
     fields = {f.name: f.type for f in dataclasses.fields(PipelineConfig)}
     for s in graph.REGISTRY:
-        assert importlib.util.find_spec(graph.module(s.name)) is not None, s.name
+        assert importlib.util.find_spec(f"stages.{s.name}") is not None, s.name
+        assert s.name in stages.ENTRIES, s.name
         assert fields[s.name] == s.section, s.name
 
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-from pipeline.slurm.job_env import in_slurm_job, requeue_self, restart_count  # noqa: F401  (re-exported)
+from pipeline.slurm.job_env import requeue_self
 
 HANG_EXIT_CODE = 86
 """Exit code of a rank the watchdog found hung (distinct from crashes and signals)."""
@@ -65,19 +65,26 @@ STACK_DUMP_SIGNAL = signal.SIGQUIT
 """A training rank with a watchdog dumps every thread's stack to its log on this signal and goes on (the
 local launcher sends it to a job's other ranks before it ends them, so a hung sibling's stack is kept)."""
 
-HANG_HOOKS: list[Callable[[], None]] = []
-"""Called by a firing watchdog just before the exit (the local launcher ends the job's other ranks)."""
-
 
 class Watchdog:
     """Exits the process with HANG_EXIT_CODE when ``beat()`` is not called for ``timeout_s`` seconds.
 
     Armed by the first ``beat()`` (the training loop's first step), so a slow start-up is not a hang.
+    ``may_requeue``: ask SLURM to requeue the job before the exit (StageContext.may_requeue); ``on_hang``:
+    called just before the exit (StageContext.on_hang: the local launcher ends the job's other ranks).
     """
 
-    def __init__(self, timeout_s: float, *, max_requeues: int = 0, poll_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        may_requeue: bool = False,
+        on_hang: tuple[Callable[[], None], ...] = (),
+        poll_s: float = 1.0,
+    ) -> None:
         self.timeout_s = timeout_s
-        self.max_requeues = max_requeues
+        self.may_requeue = may_requeue
+        self.on_hang = on_hang
         self.poll_s = min(poll_s, max(timeout_s / 4, 0.05))
         self._last: float | None = (
             None  # armed by the first beat: start-up (imports, model build) is not a hang
@@ -112,10 +119,10 @@ class Watchdog:
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
-        if in_slurm_job() and restart_count() < self.max_requeues:
+        if self.may_requeue:
             requeue_self(f"hang detected after {idle:.0f} s without progress")
         print(f"[watchdog] HangDetected: exiting with code {HANG_EXIT_CODE}", file=sys.stderr, flush=True)
-        for hook in HANG_HOOKS:
+        for hook in self.on_hang:
             try:
                 hook()
             except Exception as e:  # the exit below must happen whatever a hook does

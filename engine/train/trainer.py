@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -126,9 +125,6 @@ def _set_fused(inner: Any) -> None:
 
 # ---------------------------------------------------------------------------- data
 
-
-ATTEMPT_ENV = "PIPELINE_STAGE_ATTEMPT"
-"""Set by the launcher on rank 0: the stage's attempt number (1 = first start), for the resume record."""
 
 # ---------------------------------------------------------------------------- checkpoints
 
@@ -607,8 +603,9 @@ class Trainer:
             "unit": self.unit.state(),
         }
 
-    def restore(self, init_weights: bool = True) -> None:
+    def restore(self, init_weights: bool = True, attempt: int = 0) -> None:
         """Resume (model, optimizer, scheduler, RNG, iteration) or load init_from weights via the checkpointer.
+        ``attempt``: the stage's attempt number (StageContext.attempt; 0 unknown), for the resume record.
 
         On a resume, the steps lost since the last run's furthest step and the time from its last step to
         now are written as a ``resume`` metrics record (the progress file says where the last run got to).
@@ -621,7 +618,6 @@ class Trainer:
         self.unit.load_frozen(self.checkpointer)
         if state is not None:
             self.unit.load_state(state.get("unit", {}))
-        attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
         if state is None and not (self.progress_path and self.progress_path.exists()) and attempt <= 1:
             return  # a first start
         if state is not None:

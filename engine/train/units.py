@@ -21,18 +21,29 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from engine.data.datasets import collate, sample_range
 from engine.runtime import distributed as D
-
-if TYPE_CHECKING:
-    from engine.train.trainer import Trainer
+from engine.train.meter import StepMeter
+from pipeline.schema.config import TrainStage
 
 Batch = dict[str, torch.Tensor]
+
+
+class Loop(Protocol):
+    """What a unit reads from the loop that drives it (engine.train.trainer.Trainer is one)."""
+
+    chunks: list[Any]
+    """The policy's model chunks."""
+    stage: TrainStage
+    """The stage's config section (its parallel layout: batch sizes)."""
+    seq_length: int
+    meter: StepMeter
+    """Times the parts of a step (``meter.time("data")``)."""
 
 
 def micro_batches(source: Any, step: int, global_batch: int, micro_batch: int) -> list[Batch]:
@@ -101,13 +112,13 @@ class TrainUnit:
 
     source: Any
     models: dict[str, NamedModel] = field(default_factory=dict)
-    trainer: Trainer | None = field(default=None, repr=False)
+    trainer: Loop | None = field(default=None, repr=False)
 
-    def bind(self, trainer: Trainer) -> None:
+    def bind(self, trainer: Loop) -> None:
         """Called by the trainer it belongs to (gives the unit the stage, meter and the policy)."""
         self.trainer = trainer
 
-    def _t(self) -> Trainer:
+    def _t(self) -> Loop:
         if self.trainer is None:
             raise RuntimeError("TrainUnit is not bound to a Trainer")
         return self.trainer

@@ -19,10 +19,11 @@ adapter_model.safetensors) that ``peft`` loads onto the base model, checked the 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pipeline.records.ledger import COMPLETED, Ledger
 from pipeline.schema.config import LM_STAGES, ConfigError, PipelineConfig, from_dict
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = run_config(run_dir)
         ledger = Ledger(run_dir)
         stage = pick_stage(ledger, args.stage)
-        find_latest = importlib.import_module("engine.checkpoint.checkpointer").find_latest
+        from engine.checkpoint.checkpointer import find_latest
+
         ckpt = find_latest(run_dir / "stages" / stage / "checkpoints", collective=False)
         if ckpt is None:
             raise ConfigError(
@@ -94,15 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    exp = importlib.import_module("engine.convert.export")
+    from engine.convert.export import TOLERANCE, ExportError, export
     from pipeline.schema.hf_arch import HFConfigError
 
-    TOLERANCE, ExportError, export = exp.TOLERANCE, exp.ExportError, exp.export
-
+    run_export: Callable[..., dict[str, Any]] = export
     if args.peft:
-        export = importlib.import_module("engine.convert.lora_export").export_peft
+        from engine.convert.lora_export import export_peft
+
+        run_export = export_peft
     try:
-        manifest = export(
+        manifest = run_export(
             cfg.model,
             ckpt,
             out,

@@ -20,6 +20,7 @@ from typing import Any
 from pipeline.schema import graph
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.graph import DEFAULT_STAGES, LM_STAGES, STAGES, TRAIN_STAGES
+from pipeline.schema.layout import check_layout
 
 
 def _fail(key: str, value: Any, allowed: str) -> None:
@@ -889,8 +890,6 @@ def build_config(
 
 def _check_cross(pc: PipelineConfig) -> None:
     """Relations between keys of different sections, and keys a stage would silently ignore."""
-    from pipeline.schema.layout import check_layout
-
     for name in pc.run.stages:
         check_layout(pc, name)
     _check_ignored(pc)

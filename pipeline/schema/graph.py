@@ -3,10 +3,10 @@
 Everything else is derived from it: the order stages run in (``STAGES``), the default selection
 (``DEFAULT_STAGES``: the non-optional ones), which stages train (``TRAIN_STAGES``) and which of those produce a
 language model (``LM_STAGES``: eval scores them, export exports them, ``init_from: auto`` chains through them),
-dependencies, what a stage reads under a config (``required``), the job's module (``module``) and the
-config section's dataclass (``section``; ``pipeline.schema.config`` checks at import that ``PipelineConfig`` has a
-field of that type per stage). Adding a stage: one ``Stage(...)`` here, its module ``stages/<name>.py``
-with ``main(cfg, ctx)``, and its section field in ``PipelineConfig``.
+dependencies, what a stage reads under a config (``required``) and the config section's dataclass (``section``;
+``pipeline.schema.config`` checks at import that ``PipelineConfig`` has a field of that type per stage). Adding a
+stage: one ``Stage(...)`` here, its section field in ``PipelineConfig``, its module ``stages/<name>.py`` with
+``main(cfg, ctx)`` and its entry in ``stages.ENTRIES`` (docs/EXTENDING.md).
 """
 
 from __future__ import annotations
@@ -36,14 +36,15 @@ class Stage:
     """Opt-in: runs only when named in ``run.stages`` (never in the default selection)."""
     section: str = "TrainStage"
     """The dataclass of its config section ``cfg.<name>`` (pipeline.schema.config)."""
-    module: str = ""
-    """The job's module with ``main(cfg, ctx)`` (default ``stages.<name>``)."""
     reads: Reads | None = None
     """``reads(cfg, upstream) -> the upstream stages it reads under cfg`` (default: the non-optional ones,
     minus the weights' source when ``init_from`` is not ``auto``)."""
     torch: bool = True
     """Its job imports torch and megatron.core (with ``cluster.prefork`` its local ranks are forked from a
     process that imported them: pipeline.submit.prefork)."""
+    shared: bool = False
+    """Its outputs depend only on the data identity (pipeline.schema.data_identity): one copy per identity under
+    ``run.root``, linked into each run, prepared by the first job that needs it and reused by the others."""
 
 
 def _rlhf_reads(cfg: Any, ups: tuple[str, ...]) -> tuple[str, ...]:
@@ -66,7 +67,7 @@ def _export_reads(cfg: Any, ups: tuple[str, ...]) -> tuple[str, ...]:
 
 
 REGISTRY: tuple[Stage, ...] = (
-    Stage("data_prep", (), section="DataPrepStage", torch=False),
+    Stage("data_prep", (), section="DataPrepStage", torch=False, shared=True),
     Stage("pretrain", ("data_prep",), trains=True),
     Stage("sft", ("data_prep", "pretrain"), trains=True),
     Stage(
@@ -121,11 +122,6 @@ def spec(stage: str) -> Stage:
     if stage not in SPECS:
         raise ConfigError(f"run.stages={stage!r}: must be one of {list(STAGES)}")
     return SPECS[stage]
-
-
-def module(stage: str) -> str:
-    """The module a stage's job runs (``main(cfg, ctx)``)."""
-    return spec(stage).module or f"stages.{stage}"
 
 
 def upstream(stage: str) -> tuple[str, ...]:

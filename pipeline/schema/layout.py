@@ -10,13 +10,82 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.graph import TRAIN_STAGES, spec
 
-if TYPE_CHECKING:  # types only: pipeline.schema.config calls check_layout, so this module must not import it
-    from pipeline.schema.config import ModelConfig, ParallelConfig, PipelineConfig, TrainStage
+# What a layout reads of the config, as protocols: pipeline.schema.config validates with check_layout, so this
+# module names the fields it reads instead of importing the schema (no cycle, type-only included).
+
+
+class _Parallel(Protocol):
+    """A stage's ``parallel`` section (pipeline.schema.config.ParallelConfig)."""
+
+    @property
+    def tp(self) -> int: ...
+    @property
+    def pp(self) -> int: ...
+    @property
+    def vpp(self) -> int | None: ...
+    @property
+    def dp(self) -> int | None: ...
+    @property
+    def nodes(self) -> int | None: ...
+    @property
+    def micro_batch_size(self) -> int: ...
+    @property
+    def global_batch_size(self) -> int: ...
+    @property
+    def sequence_parallel(self) -> bool: ...
+
+
+class _Stage(Protocol):
+    @property
+    def parallel(self) -> _Parallel: ...
+
+
+class _TrainStage(_Stage, Protocol):
+    @property
+    def seq_length(self) -> int | None: ...
+
+
+class _Model(Protocol):
+    """The ``model`` section (pipeline.schema.config.ModelConfig): the sizes a layout splits."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_query_groups(self) -> int | None: ...
+    @property
+    def ffn_hidden_size(self) -> int | None: ...
+    @property
+    def seq_length(self) -> int: ...
+
+
+class _Cluster(Protocol):
+    @property
+    def gpus_per_node(self) -> int: ...
+    @property
+    def ranks_per_node(self) -> int: ...
+    @property
+    def cpus_per_node(self) -> int: ...
+    @property
+    def max_nodes(self) -> int | None: ...
+
+
+class _Config(Protocol):
+    """The whole config (pipeline.schema.config.PipelineConfig), as far as layouts read it."""
+
+    @property
+    def model(self) -> _Model: ...
+    @property
+    def cluster(self) -> _Cluster: ...
+    def stage(self, name: str) -> _Stage: ...
 
 
 @dataclass(frozen=True)
@@ -37,12 +106,12 @@ class ParallelPlan:
         return asdict(self)
 
 
-def _ranks_per_node(cfg: PipelineConfig) -> int:
+def _ranks_per_node(cfg: _Config) -> int:
     c = cfg.cluster
     return c.gpus_per_node if c.gpus_per_node > 0 else c.ranks_per_node
 
 
-def stage_plan(cfg: PipelineConfig, stage: str) -> ParallelPlan:
+def stage_plan(cfg: _Config, stage: str) -> ParallelPlan:
     """Derive the full layout of ``stage`` (raises ConfigError on an impossible request)."""
     par = cfg.stage(stage).parallel
     key = f"{stage}.parallel"
@@ -83,7 +152,7 @@ def stage_plan(cfg: PipelineConfig, stage: str) -> ParallelPlan:
     return ParallelPlan(par.tp, par.pp, dp, par.vpp, world, nodes, tasks, gpus, cpus)
 
 
-def check_layout(cfg: PipelineConfig, stage: str) -> ParallelPlan:
+def check_layout(cfg: _Config, stage: str) -> ParallelPlan:
     """All layout checks for one stage, before anything is submitted."""
     st = cfg.stage(stage)
     key = f"{stage}.parallel"
@@ -99,7 +168,7 @@ def check_layout(cfg: PipelineConfig, stage: str) -> ParallelPlan:
         return plan
     if stage not in TRAIN_STAGES:
         raise ConfigError(f"run.stages={stage!r}: not a training stage")
-    st = cast("TrainStage", st)
+    st = cast(_TrainStage, st)
     if st.seq_length is not None and st.seq_length > cfg.model.seq_length:
         raise ConfigError(
             f"{stage}.seq_length={st.seq_length}: must be <= model.seq_length={cfg.model.seq_length}"
@@ -111,7 +180,7 @@ def check_layout(cfg: PipelineConfig, stage: str) -> ParallelPlan:
     return plan
 
 
-def _check_model_split(m: ModelConfig, par: ParallelConfig, key: str) -> None:
+def _check_model_split(m: _Model, par: _Parallel, key: str) -> None:
     """Heads, key/value groups and MLP width split over tp; layers over pp x vpp."""
     if m.num_attention_heads % par.tp:
         raise ConfigError(
@@ -129,7 +198,7 @@ def _check_model_split(m: ModelConfig, par: ParallelConfig, key: str) -> None:
         raise ConfigError(f"{what}: model.num_layers={m.num_layers} is not divisible by pp x vpp = {chunks}")
 
 
-def _check_batch(par: ParallelConfig, plan: ParallelPlan, key: str) -> None:
+def _check_batch(par: _Parallel, plan: ParallelPlan, key: str) -> None:
     """The global batch splits into whole micro batches per data-parallel rank (a multiple of pp interleaved)."""
     if par.global_batch_size % (par.micro_batch_size * plan.dp):
         raise ConfigError(
@@ -143,7 +212,7 @@ def _check_batch(par: ParallelConfig, plan: ParallelPlan, key: str) -> None:
         )
 
 
-def _check_features(cfg: PipelineConfig, par: ParallelConfig, key: str) -> None:
+def _check_features(cfg: _Config, par: _Parallel, key: str) -> None:
     """Sequence parallel needs Transformer Engine and tp >= 2 (fp16 runs everywhere: tests/test_precision.py)."""
     if par.sequence_parallel and not _has_transformer_engine():
         raise ConfigError(

@@ -10,6 +10,10 @@ import os
 import socket
 import subprocess
 
+RELAY_ENV = "PIPELINE_PREFORK_RELAY"
+"""Set in a rank forked by a prefork server (pipeline.submit.prefork): the pid of its relay (the local
+controller's child, where a plain rank would be)."""
+
 
 def free_port() -> int:
     """A TCP port free on this machine now (for the local executor's rendezvous)."""

@@ -8,7 +8,6 @@ sets the torch.distributed variables from submitit's JobEnvironment, marks the l
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import shlex
 import shutil
@@ -16,8 +15,9 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.records.alarms import forward_alarms
 from pipeline.records.ledger import (
@@ -32,10 +32,18 @@ from pipeline.records.ledger import (
     StageRecord,
 )
 from pipeline.schema.config import PipelineConfig, from_dict, stage_hashes
-from pipeline.schema.graph import module as stage_module
-from pipeline.schema.graph import upstream
+from pipeline.schema.graph import spec, upstream
 from pipeline.schema.layout import ParallelPlan, stage_plan
-from pipeline.slurm.job_env import free_port, requeue_self, restart_count  # noqa: F401  (free_port re-exported)
+from pipeline.slurm.job_env import (  # noqa: F401  (free_port re-exported)
+    RELAY_ENV,
+    free_port,
+    in_slurm_job,
+    requeue_self,
+    restart_count,
+)
+
+if TYPE_CHECKING:
+    from engine.context import StageContext
 
 CODE_DIRS = ("pipeline", "stages", "engine", "conf")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -163,7 +171,7 @@ def mark_submitted(
 ) -> StageRecord:
     """Record a (re)submission: fresh status, hashes and plan; attempts carry over only for the same config."""
     hashes = stage_hashes(cfg)
-    if stage == "data_prep":  # keep the input digests for the job's ranks (size + mtime pre-check)
+    if spec(stage).shared:  # keep the input digests for the job's ranks (size + mtime pre-check)
         from pipeline.schema.data_identity import fingerprints
 
         fingerprints(cfg, save=True)
@@ -222,14 +230,12 @@ def run_stage(
     )
     ledger = Ledger(Path(run_dir))
     local_group = cfg.cluster.executor == "local" and world > 1
-    if local_group:
-        from engine.runtime.signals import HANG_HOOKS
-
-        HANG_HOOKS.append(end_local_job)
-    if rank == 0:
-        _mark_started(ledger, stage, job_id, world)
+    attempt = _mark_started(ledger, stage, job_id, world) if rank == 0 else 0
     try:
-        out = _call_stage(stage, cfg, Path(run_dir))
+        ctx = stage_context(
+            stage, cfg, Path(run_dir), attempt, on_hang=(end_local_job,) if local_group else ()
+        )
+        out = _call_stage(stage, cfg, ctx)
     except BaseException as e:
         if rank == 0:
             forward_alarms(ledger, stage)
@@ -267,8 +273,6 @@ def end_local_job() -> None:
     """
     import psutil
 
-    from pipeline.submit.prefork import RELAY_ENV
-
     job = os.environ.get("SUBMITIT_LOCAL_JOB_ID")
     if not job:
         return
@@ -296,12 +300,12 @@ def end_local_job() -> None:
             continue
 
 
-def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> None:
-    """Rank 0: the ledger says running; the event records the rendezvous and the code this job imports."""
+def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> int:
+    """Rank 0: the ledger says running; the event records the rendezvous and the code this job imports.
+    Returns the stage's attempt number (1 = first start)."""
     rec = ledger.read(stage)
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    restarts = restart_count()
     attempt = (rec.attempts if rec else 0) + 1
-    os.environ["PIPELINE_STAGE_ATTEMPT"] = str(attempt)  # the engine's resume record (trainer.ATTEMPT_ENV)
     ledger.update(
         stage,
         status=RUNNING,
@@ -321,6 +325,7 @@ def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> None:
         master=rendezvous,
         code=str(REPO_ROOT),
     )
+    return attempt
 
 
 def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseException) -> None:
@@ -345,22 +350,36 @@ def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseExce
     ledger.event("failed", stage, error=err, traceback=traceback.format_exc(limit=20))
 
 
-def _call_stage(stage: str, cfg: PipelineConfig, run_dir: Path) -> dict[str, Any]:
+def stage_context(
+    stage: str, cfg: PipelineConfig, run_dir: Path, attempt: int, on_hang: tuple[Callable[[], None], ...] = ()
+) -> StageContext:
+    """What the job hands its stage besides the config: paths, plan, and the job's facts (ledger attempt,
+    SLURM restarts, whether it may requeue itself, what a hung rank calls before it exits)."""
     from engine.context import StageContext
 
-    ctx = StageContext(
+    restarts = restart_count()
+    return StageContext(
         run_dir=run_dir,
         stage=stage,
         out_dir=stage_out_dir(run_dir, stage),
         inputs={u: stage_out_dir(run_dir, u) for u in upstream(stage)},
         plan=stage_plan(cfg, stage),
+        attempt=attempt,
+        restarts=restarts,
+        may_requeue=in_slurm_job() and restarts < cfg.cluster.max_requeues,
+        on_hang=on_hang,
     )
-    if stage == "data_prep":  # one prepared copy per data identity, shared under run.root
+
+
+def _call_stage(stage: str, cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
+    """Run the stage's ``main`` (a shared stage: once per data identity, under run.root)."""
+    from stages import entry
+
+    main = entry(stage)
+    if spec(stage).shared:
         from pipeline.schema.data_identity import link_shared_data, shared_data_prep
 
-        link_shared_data(cfg, ctx.out_dir, stage_hashes(cfg)["data_prep"])
-        module = importlib.import_module(stage_module(stage))
-        return shared_data_prep(cfg, ctx.out_dir, lambda: dict(module.main(cfg, ctx) or {}))
+        link_shared_data(cfg, ctx.out_dir, stage_hashes(cfg)[stage])
+        return shared_data_prep(cfg, ctx.out_dir, lambda: dict(main(cfg, ctx) or {}))
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
-    module = importlib.import_module(stage_module(stage))
-    return dict(module.main(cfg, ctx) or {})
+    return dict(main(cfg, ctx) or {})

@@ -47,25 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pipeline.slurm.job_env import RELAY_ENV
+
 IMPORT_ENV_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "LD_", "CUDA_")
 """Variables read while torch/megatron import (or by the interpreter at start): a request whose values of
 these differ from the server's is refused and runs as an ordinary process."""
 
 PRELOAD = (
-    "submitit.core.submission",
-    "pipeline.submit.launch",
-    "engine.run",
-    "engine.train.steps",
-    "engine.rl.algorithms",
-    "engine.checkpoint.checkpointer",
-    "engine.models.generate",
-    "stages.data_prep",
-    "stages.pretrain",
-    "stages.sft",
-    "stages.rlhf",
-    "stages.eval",
-    "stages.reward_model",
-    "stages.export",
     "torch._dynamo",  # torch.optim's first optimizer imports it (~0.7 s)
     "torch.utils.tensorboard",  # monitor.tensorboard (after megatron.core, which imports it hidden)
     "megatron.core.models.gpt",
@@ -75,7 +63,8 @@ PRELOAD = (
     "megatron.core.datasets.gpt_dataset",
     "megatron.core.pipeline_parallel",
 )
-"""Modules the server imports (after megatron.core, the way a job imports it); one that fails is skipped."""
+"""External modules the server imports after the project's (``_import_project``) and megatron.core, the way a
+job imports them; one that fails (an optional package) is skipped."""
 
 RELAYED_SIGNALS = (
     signal.SIGTERM,
@@ -86,8 +75,6 @@ RELAYED_SIGNALS = (
     signal.SIGHUP,
     signal.SIGCONT,
 )
-RELAY_ENV = "PIPELINE_PREFORK_RELAY"
-"""Set in a forked rank: the pid of its relay (the controller's child, where a plain rank would be)."""
 
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
@@ -253,11 +240,34 @@ def preload() -> None:
     from engine.runtime import distributed
 
     distributed.prepare_imports()
+    try:
+        _import_project()
+    except Exception as e:  # the rank imports it itself (and reports the error there)
+        print(f"[prefork] project modules not all preloaded: {type(e).__name__}: {e}", flush=True)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
         except Exception as e:  # an optional package: the rank imports (or skips) it itself
             print(f"[prefork] not preloaded: {name}: {type(e).__name__}: {e}", flush=True)
+
+
+def _import_project() -> None:
+    """The project's modules a job imports (plain imports, so the import graph shows them)."""
+    import submitit.core.submission  # noqa: F401
+
+    import engine.checkpoint.checkpointer  # noqa: F401
+    import engine.models.generate  # noqa: F401
+    import engine.rl.algorithms  # noqa: F401
+    import engine.run  # noqa: F401
+    import engine.train.steps  # noqa: F401
+    import pipeline.submit.launch  # noqa: F401
+    import stages.data_prep  # noqa: F401
+    import stages.eval  # noqa: F401
+    import stages.export  # noqa: F401
+    import stages.pretrain  # noqa: F401
+    import stages.reward_model  # noqa: F401
+    import stages.rlhf  # noqa: F401
+    import stages.sft  # noqa: F401
 
 
 def _accept(
