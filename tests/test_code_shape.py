@@ -16,11 +16,7 @@ MAX_FUNCTION_LINES = 80
 ALLOWED: dict[str, str] = {
     "pipeline/schema/config.py": "every config section with its field docstrings, validation and hashes in one "
     "module; to split by concern (sections, validation, identity)",
-    "stages/data_prep.py": "being split (tokenize, sources, MPI world) in the data_prep round",
-    "stages/data_prep.py::_merge_sources": "being split with stages/data_prep.py",
     "engine/checkpoint/checkpointer.py": "being split (save, restore, verify, metadata) in the checkpoint round",
-    "engine/data/sources.py": "every stage's sample sources (pretrain, chat, preference, prompts) in one module; "
-    "to split per source kind",
     "engine/rl/algorithms.py": "being split (one module per algorithm) in the RL round",
     "engine/train/trainer.py": "being split (the Checkpointer class moves to engine/checkpoint) in the trainer round",
     "engine/run.py::train_stage": "builds every piece of a training stage, then runs it; to split into a builder "

@@ -158,9 +158,8 @@ def test_help_lists_commands_groups_and_exit_codes(capsys: pytest.CaptureFixture
 
 
 def test_companion_commands_share_the_error_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline.cli.compose import cancel
-    from pipeline.cli.compose import plan as plan_cli
-    from pipeline.reporting import status
+    from pipeline.cli import cancel, status
+    from pipeline.cli import plan as plan_cli
 
     assert plan_cli.main(["model=tinyy"]) == 2
     assert LINE.match(capsys.readouterr().err.strip())
@@ -182,9 +181,10 @@ def test_pipeline_imports_no_torch_for_the_front_door() -> None:
 def test_preflight_constants_match_the_engine() -> None:
     from pipeline.submit import preflight
 
-    root = Path(config.__file__).resolve().parent.parent / "stages" / "engine"
-    assert f'MARKER = "{preflight.CHECKPOINT_MARKER}"' in (root / "checkpoint.py").read_text()
-    data = (root / "data.py").read_text()
+    root = Path(config.__file__).resolve().parents[2] / "engine"
+    checkpointing = "".join(p.read_text() for p in (root / "checkpoint").glob("*.py"))
+    assert f'MARKER = "{preflight.CHECKPOINT_MARKER}"' in checkpointing
+    data = (root / "data" / "datasets.py").read_text()
     for tok in preflight._SPECIAL_TOKENS:
         assert f'"{tok}"' in data
 
@@ -243,8 +243,8 @@ def test_sbatch_rejects_second_stage_leaves_a_readable_run(
     code, err = run_cli(tmp_path, capsys, "cluster=slurm", "run.stages=[data_prep,pretrain]")
     assert code == 3 and len(err) == 1 and "sbatch rejected stage 'pretrain'" in err[0], err
     (run_dir,) = (tmp_path / "runs").glob("tiny-*")
+    from pipeline.cli.status import main as status_main
     from pipeline.records.ledger import Ledger
-    from pipeline.reporting.status import main as status_main
     from pipeline.submit.orchestrate import decide
 
     ledger = Ledger(run_dir)

@@ -142,16 +142,8 @@ def _merge_sources(
         text_files.append(f"text_{split}")
         for j, k in dups.items():
             per[names[j]]["duplicates"] += k
-    task_docs: list[str] = []
-    if (
-        d.task_mix_fraction > 0
-    ):  # its own dataset in the blend, weighted task_mix_fraction; at least one document
-        task_docs = task_documents(held, train_docs, d.task_mix_fraction, rng(d.seed, MIX), at_least=1)
+    task_docs = _task_mix(cfg, out, held, train_docs, tokenizer, dtype, tokens)
     if task_docs:
-        tmp = out / ".text_train-task.tmp"
-        tokens["task"] = write_shard(tokenizer, task_docs, tmp, dtype)
-        for ext in (".bin", ".idx"):
-            os.replace(f"{tmp}{ext}", out / f"text_train-task{ext}")
         text_files.append("text_train-task")
         blend.append({"prefix": "text_train-task", "weight": 1.0 - text_weight, "source": "task"})
     for name, c in per.items():
@@ -180,6 +172,29 @@ def _merge_sources(
         "sources": per,
         "blend": blend,
     }
+
+
+def _task_mix(
+    cfg: PipelineConfig,
+    out: Path,
+    held: tasks.TaskSplit,
+    train_docs: int,
+    tokenizer: Tokenizer,
+    dtype: type[np.number],
+    tokens: dict[str, int],
+) -> list[str]:
+    """The generated task's own dataset in the blend (text_train-task), weighted task_mix_fraction; at least
+    one document. Its token count goes into ``tokens["task"]``."""
+    d = cfg.data
+    if d.task_mix_fraction <= 0:
+        return []
+    task_docs = task_documents(held, train_docs, d.task_mix_fraction, rng(d.seed, MIX), at_least=1)
+    if task_docs:
+        tmp = out / ".text_train-task.tmp"
+        tokens["task"] = write_shard(tokenizer, task_docs, tmp, dtype)
+        for ext in (".bin", ".idx"):
+            os.replace(f"{tmp}{ext}", out / f"text_train-task{ext}")
+    return task_docs
 
 
 def _source_counts(scratch: Path, units: list[Any], names: list[str]) -> dict[str, dict[str, Any]]:
