@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 VOCAB = 4096
 SHAPES: dict[str, dict[str, Any]] = {
@@ -90,9 +89,8 @@ class NanoGPT(nn.Module):
 
 def nanogpt_step(spec: dict[str, Any]) -> Any:
     """One training step of the nanoGPT-style model (AdamW, clipping) on the engine's batches: ``step(i)``."""
-    from bench_throughput import _micro_batches
-
-    from engine.testing.synthetic import SyntheticSource
+    from bench.bench_throughput import _micro_batches
+    from tests.support.synthetic import SyntheticSource
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(1234)
@@ -114,7 +112,7 @@ def nanogpt_step(spec: dict[str, Any]) -> Any:
 
 
 def nanogpt_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    from bench_throughput import _timed
+    from bench.bench_throughput import _timed
 
     return _timed(nanogpt_step(spec), spec)
 
@@ -123,8 +121,7 @@ def same_process_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """The engine's step and nanoGPT's in one process, alternating step by step (the order swapped every
     step): both run in the engine's process (megatron imported, its groups, the CPU layer), so the ratio
     is that of the two training paths alone, without what differs between the processes."""
-    from bench_throughput import engine_trainer
-
+    from bench.bench_throughput import engine_trainer
     from engine.runtime import distributed as D
 
     try:
@@ -155,7 +152,7 @@ def _spec(mode: str, model: dict[str, Any], args: argparse.Namespace) -> dict[st
 
 
 def _launch(spec: dict[str, Any], extra_env: dict[str, str] | None = None) -> dict[str, Any]:
-    from engine_worker import launch
+    from tests.support.engine_worker import launch
 
     with tempfile.TemporaryDirectory(prefix=f"bench-{spec['mode']}-") as tmp:
         return launch(1, spec, Path(tmp), timeout_s=600, script=Path(__file__), extra_env=extra_env)
@@ -253,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         "--side-by-side", action="store_true", help="also both at once, one pinned core each (per shape)"
     )
     args = p.parse_args(argv)
-    from bench_throughput import warn_if_busy
+    from bench.bench_throughput import warn_if_busy
 
     warn_if_busy()
     figures: dict[str, Any] = {}
@@ -296,7 +293,7 @@ if __name__ == "__main__":
         if "cpu" in worker_spec:  # side by side: this process on its own core (before any thread starts)
             os.sched_setaffinity(0, {worker_spec["cpu"]})
         if worker_spec["mode"] == "engine":
-            from bench_throughput import engine_worker
+            from bench.bench_throughput import engine_worker
 
             out = engine_worker(worker_spec)
         elif worker_spec["mode"] == "same-process":

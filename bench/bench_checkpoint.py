@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 VOCAB = 4096
 MODELS: dict[str, dict[str, Any]] = {
@@ -57,10 +56,10 @@ def _engine(spec: dict[str, Any]) -> Any:
     """A one-rank Trainer with model, optimizer and a synthetic source, after one training step."""
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
-    from engine.testing.synthetic import SyntheticSource
     from engine.train.steps import make_step
     from engine.train.trainer import Checkpointer, Trainer, build_optimizer
     from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
+    from tests.support.synthetic import SyntheticSource
 
     model = ModelConfig(**spec["model"])
     par = ParallelConfig(micro_batch_size=4, global_batch_size=8)
@@ -224,7 +223,7 @@ def main() -> None:
     ap.add_argument("--no-recover", action="store_true", help="skip the kill / re-run measurement")
     ap.add_argument("--slurm", action="store_true", help="also kill an emulated SLURM node (needs root)")
     args = ap.parse_args()
-    from engine_worker import launch
+    from tests.support.engine_worker import launch
 
     print(
         f"{'model':<5} {'params':>8} {'ckpt MB':>8} {'sync save':>9} {'async stall':>11} {'ratio':>6} "

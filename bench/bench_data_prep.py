@@ -129,7 +129,6 @@ def main() -> int:
         help="one 2-rank run: peak RSS per rank against the corpus size (no scaling, no baseline)",
     )
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
     from pipeline.schema.config import DataConfig, DataSource, PipelineConfig
     from stages import data_prep
 

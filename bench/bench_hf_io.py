@@ -146,7 +146,6 @@ def build_model_dir(out: Path, hidden: int, layers: int, vocab: int) -> int:
 
 
 def run_ranks(mode: str, spec: dict[str, Any], world: int, tmp: Path) -> list[dict[str, Any]]:
-    sys.path.insert(0, str(ROOT))
     from engine.runtime.distributed import free_port
 
     port = free_port()
@@ -222,5 +221,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     main()

@@ -17,12 +17,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
-
-from engine.runtime import host_memory  # noqa: E402
+from engine.runtime import host_memory
 
 GLIBC_DEFAULT = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
 """A malloc tunable at glibc's default value: the allocator is as glibc starts it, and the engine, seeing
@@ -41,7 +37,7 @@ PAIRS: dict[str, tuple[tuple[str, dict[str, str]], tuple[str, dict[str, str]]]] 
 
 def run_pair(pair: str, shape: str, rep: int, args: argparse.Namespace) -> tuple[float, float, float]:
     """Speed ratio (first / second, median step times) and the two sides' median minor faults per step."""
-    import bench_attention as BA
+    from bench import bench_attention as BA
 
     (mode_a, env_a), (mode_b, env_b) = PAIRS[pair]
     model = {**BA.SHAPES[shape], "attention_backend": "sdpa"}
@@ -51,7 +47,7 @@ def run_pair(pair: str, shape: str, rep: int, args: argparse.Namespace) -> tuple
 
 
 def main(argv: list[str] | None = None) -> int:
-    import bench_attention as BA
+    from bench import bench_attention as BA
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     BA.add_run_arguments(p, reps=5)
@@ -61,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if not host_memory._glibc() or not BA.two_cores():
         print("bench_host_memory: needs glibc's malloc and two cores; skipped")
         return 0
-    from bench_throughput import warn_if_busy
+    from bench.bench_throughput import warn_if_busy
 
     warn_if_busy()
     for shape in args.shapes.split(","):

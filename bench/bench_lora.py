@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
 
 VOCAB = 4096
 MODELS: dict[str, dict[str, Any]] = {
@@ -39,10 +38,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
-    from engine.testing.synthetic import SyntheticSource
     from engine.train.steps import make_step
     from engine.train.trainer import Trainer, build_optimizer
     from pipeline.schema.config import ModelConfig, ParallelConfig, PeftConfig, TrainStage
+    from tests.support.synthetic import SyntheticSource
 
     model = ModelConfig(**MODELS[spec["model"]], activation="swiglu", normalization="RMSNorm")
     par = ParallelConfig(micro_batch_size=4, global_batch_size=8)

@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 CPU_MODEL = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 128}
 VOCAB = 4096
@@ -147,7 +146,7 @@ def plain_worker(spec: dict[str, Any]) -> dict[str, Any]:
         dist.init_process_group("gloo", init_method=addr, rank=rank, world_size=world)
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
-    from engine.testing.synthetic import SyntheticSource
+    from tests.support.synthetic import SyntheticSource
 
     source = SyntheticSource(64, VOCAB, m["seq_length"], seed=1)
 
@@ -170,10 +169,10 @@ def engine_trainer(spec: dict[str, Any]) -> Any:
     """engine's init, model, optimizer and Trainer on a synthetic source (``D.shutdown()`` after use)."""
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
-    from engine.testing.synthetic import SyntheticSource
     from engine.train.steps import make_step
     from engine.train.trainer import Trainer, build_optimizer
     from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
+    from tests.support.synthetic import SyntheticSource
 
     model = ModelConfig(**spec["model"])
     par = ParallelConfig(**spec["parallel"])
@@ -226,7 +225,7 @@ def _profile(trainer: Any, step: int) -> str:
 
 def measure(kind: str, world: int, spec: dict[str, Any]) -> tuple[float, float, dict[str, Any]]:
     """(tokens/s by wall clock, tokens per CPU second of rank 0, rank 0's result) of one fresh run of ``kind``."""
-    from engine_worker import launch
+    from tests.support.engine_worker import launch
 
     spec = {**spec, "mode": kind}
     with tempfile.TemporaryDirectory(prefix=f"bench-{kind}-") as tmp:

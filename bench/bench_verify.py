@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dir", type=Path, default=None, help="where to write the checkpoint (default: a temp dir)"
     )
     args = p.parse_args(argv)
-    from engine_worker import launch
+    from tests.support.engine_worker import launch
 
     with tempfile.TemporaryDirectory(prefix="bench-verify-", dir=args.dir) as tmp:
         spec = {"gb_per_rank": args.gb_per_rank, "reps": args.reps, "root": str(Path(tmp) / "checkpoints")}

@@ -7,9 +7,9 @@
 #
 # Steps: 1. find a CUDA GPU (none: say so, run the gpu-marked tests so they report skipped, exit 0);
 # 2. a venv (.gpu-venv, --system-site-packages: the image's torch stays) with the carried wheels, offline;
-# 3. every pytest test marked gpu (tests/test_gpu.py: the tiny graph end to end on CUDA, bf16/fp16 steps,
-# SDPA vs unfused attention, bit-exact resume; tests/test_bench.py's GPU bench); 4. the MFU benchmark
-# (bench/bench_throughput.py --gpu-only: Llama 3.2 1B and 3B shapes, bf16, seq 4096 and 8192, tokens/s,
+# 3. every pytest test marked gpu (tests/gpu/test_gpu.py: the tiny graph end to end on CUDA, bf16/fp16 steps,
+# SDPA vs unfused attention, bit-exact resume; tests/bench/test_bench.py's GPU bench); 4. the MFU benchmark
+# (python -m bench.bench_throughput --gpu-only: Llama 3.2 1B and 3B shapes, bf16, seq 4096 and 8192, tokens/s,
 # TFLOP/s, MFU against 790 TFLOP/s, torch profiler summary). Budget: 8 minutes (GPU_CHECK_BUDGET_S).
 # Exit status: 0 when every step passed (or no GPU), else the number of failed steps.
 set -uo pipefail
@@ -24,7 +24,7 @@ PY=${PYTHON:-python3}
 WHEELS=${GPU_WHEELS:-.gpu-wheels}
 VENV=${GPU_VENV:-.gpu-venv}
 failed=0
-GPU_TESTS=$(grep -l 'mark\.gpu' tests/test_*.py | tr '\n' ' ')  # every file with gpu-marked tests
+GPU_TESTS=$(grep -rl --include='test_*.py' 'mark\.gpu' tests | sort | tr '\n' ' ')  # every file with gpu-marked tests
 
 say() { echo "gpu-check [$(($(date +%s) - START)) s]: $*"; }
 left() { echo $((BUDGET_S - ($(date +%s) - START))); }
@@ -97,7 +97,7 @@ if [ "$t" -lt 60 ]; then
   failed=$((failed + 1))
 else
   say "MFU benchmark (budget left $t s)"
-  timeout "$((t - 10))" "$PY" bench/bench_throughput.py --gpu-only --json "$OUT_DIR/bench.json" --profile \
+  timeout "$((t - 10))" "$PY" -m bench.bench_throughput --gpu-only --json "$OUT_DIR/bench.json" --profile \
     --gpu-deadline-s "$((t - 30))"
   rc=$?
   [ "$rc" -eq 0 ] && say "benchmark: done" || { say "FAILED: benchmark (exit $rc)"; failed=$((failed + 1)); }

@@ -1,25 +1,20 @@
 """Shared pytest fixtures."""
 
-# Session fixture `slurm_cluster`: a real local SLURM cluster (tests/slurm_cluster.py, slurm/cluster.py);
-# `cluster`: that cluster with its variables in os.environ, for tests driving the pipeline (tests/slurm_helpers.py).
-try:
-    from slurm_cluster import slurm_cluster  # noqa: F401  (tests/ on sys.path: rootdir "prepend" import)
-    from slurm_helpers import cluster  # noqa: F401
-except ImportError:  # tests/ as a package
-    from .slurm_cluster import slurm_cluster  # noqa: F401
-    from .slurm_helpers import cluster  # noqa: F401
-
-
+# Session fixture `slurm_cluster`: a real local SLURM cluster (tests/support/slurm_cluster.py, slurm/cluster.py);
+# `cluster`: that cluster with its variables in os.environ, for tests driving the pipeline
+# (tests/support/slurm_helpers.py). Registered here so every folder under tests/ sees them.
 # ---------------------------------------------------------------------------- no process outlives the suite
 # Every process the suite starts inherits PIPELINE_TEST_SESSION=<uuid> (set before any test runs); at the end
 # the suite fails if a process carrying this session's marker is still alive, and ends those processes.
 # Processes of other sessions on the machine (other uuids) are never counted or touched.
-
 import os as _os
 import signal as _signal
 import time as _time
 import uuid as _uuid
 from pathlib import Path as _Path
+
+from tests.support.slurm_cluster import slurm_cluster  # noqa: F401
+from tests.support.slurm_helpers import cluster  # noqa: F401
 
 SESSION_ENV = "PIPELINE_TEST_SESSION"
 

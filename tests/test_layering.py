@@ -8,7 +8,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.env import REPO as ROOT
 
 
 def _contract(kind: str) -> dict:

@@ -1,0 +1,90 @@
+"""The eval stage on tiny data and random-init checkpoints (in a subprocess: the engine patches torch on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.stages.test_data_prep import run_prep, tiny_config, write_corpus
+from tests.support.env import REPO
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from pipeline.schema.config import from_dict
+    from engine.context import StageContext
+
+    cfg = from_dict(json.loads(Path(sys.argv[1]).read_text()))
+    run = Path(sys.argv[2])
+    data = run / "stages" / "data_prep"
+
+    from engine.runtime import distributed as D
+    from engine.checkpoint.checkpointer import save
+    from engine.data.datasets import load_tokenizer
+    from engine.models.gpt import build_model
+    from stages import eval as ev
+
+    D.init(1, 1, seed=1, threads=1)
+    tok = load_tokenizer(data)
+    chunks = build_model(cfg.model, cfg.eval.parallel, tok.vocab_size)
+    for stage in ("pretrain", "sft"):
+        save(run / "stages" / stage / "checkpoints", 3, model_chunks=chunks, optimizer=None,
+             scheduler=None, state={}, final=True)
+    # Batched greedy generation (prompts of different lengths, KV cache) equals one prompt at a time.
+    prompts = ["What is 1 + 2?", "What is 12 - 3?", "What is 29 + 30?"]
+    chunks[0].eval()
+    batched = ev.generate(chunks[0], tok, prompts, 5, cfg.model.seq_length)
+    single = [ev.generate(chunks[0], tok, [p], 5, cfg.model.seq_length)[0] for p in prompts]
+    assert batched == single, (batched, single)
+    D.shutdown()
+
+    inputs = {s: run / "stages" / s for s in ("data_prep", "pretrain", "sft")}
+    ctx = StageContext(run_dir=run, stage="eval", out_dir=run / "stages" / "eval", inputs=inputs)
+    print("RESULT", json.dumps(ev.main(cfg, ctx)))
+    """
+)
+
+
+def test_eval_writes_results_for_each_model(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus)
+    cfg = tiny_config(corpus)
+    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length = 2, 64, 64
+    cfg.eval.num_task_examples, cfg.eval.perplexity_batches, cfg.eval.batch_size = 6, 2, 4
+    cfg.eval.max_new_tokens, cfg.eval.threads = 3, 1
+    run = tmp_path / "run"
+    run_prep(cfg, run / "stages" / "data_prep")
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "cfg.json"), str(run)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "task acc" in proc.stdout  # the comparison table
+
+    results = json.loads((run / "stages" / "eval" / "results.json").read_text())
+    assert results["format"] == 1 and sorted(results["models"]) == ["pretrain", "sft"]
+    assert results["skipped"] == {"rlhf": "not in this run"}
+    assert results["data"]["task_examples"] == 6 and results["data"]["pref_pairs"] == 20
+    for r in results["models"].values():
+        assert r["iteration"] == 3 and r["checkpoint"].endswith("iter_0000003")
+        assert 1.0 < r["perplexity"] < 2 * 320  # random init: about the vocabulary size
+        assert 0.0 <= r["task_accuracy"] <= 1.0 and 0.0 <= r["pref_accuracy"] <= 1.0
+        assert len(r["samples"]) == 5 and {"prompt", "answer", "generated", "correct"} <= set(r["samples"][0])
+    # Same weights in both: same scores.
+    a, b = results["models"]["pretrain"], results["models"]["sft"]
+    assert (a["perplexity"], a["pref_accuracy"]) == (b["perplexity"], b["pref_accuracy"])
+    lines = (run / "stages" / "eval" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["model"] for line in lines] == ["pretrain", "sft"]
