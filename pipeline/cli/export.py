@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = run_config(run_dir)
         ledger = Ledger(run_dir)
         stage = pick_stage(ledger, args.stage)
-        find_latest = importlib.import_module("engine.checkpoint.checkpointer").find_latest
+        find_latest = importlib.import_module("engine.checkpoint.latest").find_latest
         ckpt = find_latest(run_dir / "stages" / stage / "checkpoints", collective=False)
         if ckpt is None:
             raise ConfigError(

@@ -57,7 +57,7 @@ PRELOAD = (
     "engine.run",
     "engine.train.steps",
     "engine.rl.algorithms",
-    "engine.checkpoint.checkpointer",
+    "engine.checkpoint.manager",
     "engine.models.generate",
     "stages.data_prep",
     "stages.pretrain",
