@@ -2,8 +2,8 @@
 
     python bench/bench_checkpoint.py [--repeats 3] [--models tiny,big] [--no-recover] [--slurm]
 
-Save / stall / load (one rank, a fresh process per model, through ``engine.train.trainer.Checkpointer``
-and ``engine.checkpoint.checkpointer`` as the trainer uses them; model and Adam state after one training step):
+Save / stall / load (one rank, a fresh process per model, through ``engine.checkpoint.manager.Checkpointer``
+and ``engine.checkpoint`` as the trainer uses them; model and Adam state after one training step):
 
 - ``sync save``: wall time of a synchronous save (the training loop is blocked for all of it).
 - ``async stall``: the time the loop is blocked by an async save: the ``save`` call (state dict, fork of the
@@ -54,10 +54,11 @@ KILL_AT = 7
 
 def _engine(spec: dict[str, Any]) -> Any:
     """A one-rank Trainer with model, optimizer and a synthetic source, after one training step."""
+    from engine.checkpoint.manager import Checkpointer
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
     from engine.train.steps import make_step
-    from engine.train.trainer import Checkpointer, Trainer, build_optimizer
+    from engine.train.trainer import Trainer, build_optimizer
     from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
     from tests.support.synthetic import SyntheticSource
 
@@ -76,8 +77,8 @@ def _engine(spec: dict[str, Any]) -> Any:
         stage=stage,
         seq_length=model.seq_length,
         train_source=source,
+        checkpointer=Checkpointer(Path(spec["ckpt"]), save_interval=10**9, keep_last=2),
     )
-    trainer.checkpointer = Checkpointer(Path(spec["ckpt"]), save_interval=10**9, keep_last=2)
     trainer.train_step(0)
     return trainer
 
@@ -92,11 +93,11 @@ def _save(trainer: Any, step: int, async_save: bool) -> float:
 
 def _async_stall(trainer: Any, step: int) -> tuple[float, int]:
     """Blocked seconds of one async save (save call + committing finalize) and the steps trained meanwhile."""
-    from engine.checkpoint import checkpointer as checkpoint
+    from engine.checkpoint.writer import pending_async
 
     ckpt = trainer.checkpointer
     stall, steps, committed = _save(trainer, step, async_save=True), 0, len(ckpt.finalize_seconds)
-    while checkpoint.pending_async():
+    while pending_async():
         trainer.train_step(steps)
         steps += 1
         ckpt.finalize()
@@ -104,13 +105,12 @@ def _async_stall(trainer: Any, step: int) -> tuple[float, int]:
 
 
 def _load(trainer: Any) -> float:
-    from engine.checkpoint import checkpointer as checkpoint
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.load import load
 
-    latest = checkpoint.find_latest(trainer.checkpointer.root)
+    latest = find_latest(trainer.checkpointer.root)
     t0 = time.perf_counter()
-    checkpoint.load(
-        latest, model_chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler
-    )
+    load(latest, model_chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler)
     return time.perf_counter() - t0
 
 

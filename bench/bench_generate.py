@@ -135,7 +135,8 @@ def hf_generate(state: list[dict[str, Any]], prompts: list[list[int]], args: Any
     import subprocess
     import tempfile
 
-    from engine.checkpoint import checkpointer as checkpoint
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.save import save
     from engine.convert.export import export
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
@@ -148,8 +149,8 @@ def hf_generate(state: list[dict[str, Any]], prompts: list[list[int]], args: Any
             chunks = build_model(ModelConfig(**MODEL), ParallelConfig(), VOCAB)
             for c, sd in zip(chunks, state):
                 c.load_state_dict(sd)
-            checkpoint.save(tmp / "ckpt", 0, model_chunks=chunks, optimizer=None, scheduler=None, state={})
-            ckpt = checkpoint.find_latest(tmp / "ckpt")
+            save(tmp / "ckpt", 0, model_chunks=chunks, optimizer=None, scheduler=None, state={})
+            ckpt = find_latest(tmp / "ckpt")
         finally:
             D.shutdown()
         _tokenizer(tmp / "tok")

@@ -50,7 +50,7 @@ def _peak() -> int:
 
 
 def worker_import(spec: dict[str, Any]) -> dict[str, Any]:
-    from engine.checkpoint import checkpointer as checkpoint
+    from engine.checkpoint.save import save
     from engine.models.gpt import build_model
     from engine.models.hf_weights import load_hf
     from engine.runtime import distributed as D
@@ -67,7 +67,7 @@ def worker_import(spec: dict[str, Any]) -> dict[str, Any]:
         before = _reset_peak()
         load_hf(chunks, hf, model)
         extra = _peak() - before
-        checkpoint.save(Path(spec["ckpt"]), 0, model_chunks=chunks, optimizer=None, scheduler=None, state={})
+        save(Path(spec["ckpt"]), 0, model_chunks=chunks, optimizer=None, scheduler=None, state={})
         return {"rank": D.rank(), "own_bytes": own, "extra_peak_bytes": extra}
     finally:
         D.shutdown()
@@ -76,7 +76,7 @@ def worker_import(spec: dict[str, Any]) -> dict[str, Any]:
 def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from engine.checkpoint.checkpointer import find_latest
+    from engine.checkpoint.latest import find_latest
     from pipeline.schema.hf_arch import model_config
 
     hf = Path(spec["hf_dir"])
@@ -97,7 +97,7 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
         stream = to_hf_tensors(iter_checkpoint_tensors(ckpt, model), model, padded_vocab(meta))
         write_shards(stream, Path(spec["out"]), spec["shard_bytes"])
     else:  # baseline: the whole model gathered into one TP=1 megatron model, then written
-        from engine.checkpoint.checkpointer import load_weights
+        from engine.checkpoint.load import load_weights
         from engine.convert.export import write_shards
         from engine.models.gpt import build_model, unwrap
         from engine.models.hf_weights import full_state_dict, to_hf_tensors

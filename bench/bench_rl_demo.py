@@ -41,7 +41,8 @@ def score(run: Path, models: list[str], samples: int, temperature: float, thread
     """Greedy and sampled accuracy of each model's final checkpoint on the held-out task prompts."""
     import torch
 
-    from engine.checkpoint.checkpointer import find_latest, load_weights
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.load import load_weights
     from engine.data.datasets import load_tokenizer, read_jsonl
     from engine.models.generate import SamplingParams, generate
     from engine.models.gpt import build_model

@@ -3,7 +3,7 @@
     python bench/bench_verify.py [--gb-per-rank 1.0] [--reps 3]
 
 Two gloo ranks each hold a tensor of ``--gb-per-rank`` GB (fp32, one shard per rank), saved once through
-``engine.checkpoint.checkpointer.save`` (the real commit: checksums, marker with whole-file xxh3_128 and sampled
+``engine.checkpoint.save.save`` (the real commit: checksums, marker with whole-file xxh3_128 and sampled
 block hashes). Then, interleaved for ``--reps`` repetitions, the median of:
 
 - ``verify, rank 0 alone``: ``find_latest(collective=False)`` on rank 0, every file in turn, one thread (what a
@@ -44,7 +44,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from engine.checkpoint import checkpointer as ck
+    from engine.checkpoint import integrity
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.load import load
+    from engine.checkpoint.overlap import OverlappedCheck
+    from engine.checkpoint.save import save
     from engine.runtime import distributed as D
 
     D.init(1, 1, None, seed=1, threads=1)
@@ -65,7 +69,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     chunk = Chunk(int(spec["gb_per_rank"] * 1e9) // 4)
     root = Path(spec["root"])
     t0 = time.perf_counter()
-    path = ck.save(root, 1, model_chunks=[chunk], optimizer=None, scheduler=None, state={}, final=True)
+    path = save(root, 1, model_chunks=[chunk], optimizer=None, scheduler=None, state={}, final=True)
     save_s = time.perf_counter() - t0
 
     def timed(fn: Any) -> float:
@@ -77,14 +81,14 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     def alone() -> None:  # as before: rank 0 hashes every file, one after the other
         if rank == 0:
-            threads, ck._VERIFY_THREADS = ck._VERIFY_THREADS, 1
+            threads, integrity._VERIFY_THREADS = integrity._VERIFY_THREADS, 1
             try:
-                assert ck.find_latest(root, collective=False) == path
+                assert find_latest(root, collective=False) == path
             finally:
-                ck._VERIFY_THREADS = threads
+                integrity._VERIFY_THREADS = threads
 
     phases: dict[str, list[float]] = {"hash": [], "before_reads": [], "waited": []}
-    check_cls = ck._OverlappedCheck
+    check_cls = OverlappedCheck
     init, gate = check_cls.__init__, check_cls.gate
 
     def init_timed(self: Any, *args: Any) -> None:  # when the background hashing starts and ends
@@ -104,10 +108,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     check_cls.__init__, check_cls.gate = init_timed, gate_timed  # type: ignore[method-assign]
     cases = {
         "verify_rank0_alone": alone,
-        "verify_per_rank_full": lambda: ck.find_latest(root, mode="full"),
-        "verify_per_rank_sampled": lambda: ck.find_latest(root, mode="sampled"),
-        "load": lambda: ck.load(path, model_chunks=[chunk]),
-        "verify_and_load": lambda: ck.load(path, model_chunks=[chunk], verify="full"),
+        "verify_per_rank_full": lambda: find_latest(root, mode="full"),
+        "verify_per_rank_sampled": lambda: find_latest(root, mode="sampled"),
+        "load": lambda: load(path, model_chunks=[chunk]),
+        "verify_and_load": lambda: load(path, model_chunks=[chunk], verify="full"),
     }
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(spec["reps"]):

@@ -1,5 +1,5 @@
 """First-save cost of the checkpoint writer's results-queue manager: spawned (megatron's default, and ours
-before) against forked (``engine.checkpoint.checkpointer._signal_safe_writer_queue`` now).
+before) against forked (``engine.checkpoint.writer.signal_safe_writer_queue`` now).
 
 Each repetition starts a manager and round-trips one torch WriteResult through its queue (what the first
 save does), interleaved; prints the medians and their ratio. ``python bench/bench_writer_helper.py [--reps 5]``

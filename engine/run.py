@@ -14,13 +14,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.context import MetricsWriter, StageContext
 from pipeline.schema.config import PipelineConfig, TrainStage
 from pipeline.schema.graph import weights_upstream
 
+if TYPE_CHECKING:
+    from engine.checkpoint.manager import Checkpointer
+
 Sources = Callable[..., tuple[Any, Any]]
+InitWeights = Callable[["Checkpointer", list[Any]], bool]
+"""A stage's own loading of its starting weights: ``(checkpointer, chunks) -> loaded``."""
 
 
 @dataclass
@@ -113,10 +118,17 @@ def train_stage(
     step: Any,
     sources: Sources | None = None,
     unit: Callable[[StageEnv], tuple[Any, Any]] | None = None,
+    init_weights: InitWeights | None = None,
 ) -> dict[str, Any]:
-    """Run one training stage on this rank; returns rank-0 outputs (checkpoint, final_loss, steps, ...)."""
+    """Run one training stage on this rank; returns rank-0 outputs (checkpoint, final_loss, steps, ...).
+
+    ``init_weights(checkpointer, chunks)``: the stage loads its starting weights itself (before its
+    sources are built) and returns whether it did; then a fresh start does not load init_from again.
+    """
     from engine.callbacks.setup import flops_per_step, peak_tflops, stage_callbacks
-    from engine.checkpoint.checkpointer import find_latest, set_verify_mode
+    from engine.checkpoint.integrity import set_verify_mode
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.manager import Checkpointer
     from engine.data.datasets import load_tokenizer
     from engine.models.gpt import build_model, num_parameters
     from engine.runtime import distributed as D
@@ -124,7 +136,7 @@ def train_stage(
     from engine.runtime.oom import oom_report
     from engine.runtime.signals import StopFlag, Watchdog
     from engine.train.meter import StepMeter
-    from engine.train.trainer import Checkpointer, Trainer, build_optimizer
+    from engine.train.trainer import Trainer, build_optimizer
 
     st = _stage_cfg(cfg, ctx.stage)
     par = st.parallel
@@ -148,11 +160,16 @@ def train_stage(
         started["model"] = time.time()
         optimizer, scheduler = build_optimizer(chunks, st, par)
         ckpt = Checkpointer(
-            ctx.checkpoint_dir, st.save_interval, resolve_init_from(cfg, ctx), st.keep_last, st.async_save
+            ctx.checkpoint_dir,
+            st.save_interval,
+            resolve_init_from(cfg, ctx),
+            st.keep_last,
+            st.async_save,
+            keep_incomplete=st.keep_incomplete,
+            peft=st.peft if st.peft.method == "lora" else None,
         )
-        ckpt.keep_incomplete = st.keep_incomplete
-        ckpt.peft = st.peft if st.peft.method == "lora" else None
         seq_length = st.seq_length or cfg.model.seq_length
+        weights_loaded = init_weights(ckpt, chunks) if init_weights is not None else False
         train_unit = None
         if unit is not None:
             env = StageEnv(cfg, ctx, st, tokenizer, seq_length, chunks, ckpt)
@@ -185,9 +202,7 @@ def train_stage(
             meter=meter,
         )
         started["data"] = time.time()
-        trainer.restore(
-            init_weights=not getattr(ckpt, "init_weights_loaded", False), attempt=ctx.attempt
-        )  # reward_model loaded its backbone
+        trainer.restore(init_weights=not weights_loaded, attempt=ctx.attempt)
         started["restore"] = time.time()
         if D.is_rank0():
             metrics.write(startup_record(started))

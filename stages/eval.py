@@ -58,7 +58,8 @@ NUM_SAMPLES = 5
 
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
-    from engine.checkpoint.checkpointer import find_latest, load_weights
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.load import load_weights
     from engine.data.datasets import load_tokenizer, read_manifest
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
@@ -139,7 +140,7 @@ def _eval_reward_model(
     ctx: StageContext, cfg: PipelineConfig, tok: Any, sets: dict[str, Any], skipped: dict[str, str]
 ) -> dict[str, Any] | None:
     """The reward model's accuracy on the held-out pairs (r(chosen) > r(rejected)), when eval reads it."""
-    from engine.checkpoint.checkpointer import find_latest
+    from engine.checkpoint.latest import find_latest
     from engine.rl.reward_model import RewardModel
     from pipeline.schema.graph import required
 

@@ -20,16 +20,22 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     from engine.run import data_dir, train_stage
     from engine.train.steps import make_step
 
+    def init_weights(ckpt: Any, chunks: list) -> bool:
+        if ckpt.init_from is None:
+            return False
+        _load_backbone(
+            ckpt, chunks, (HEAD,)
+        )  # the SFT weights without a head: the head keeps its drawn values
+        return True
+
     def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
         from engine.data.datasets import preference_source
 
-        if ckpt.init_from is not None:  # the SFT weights without a head: the head keeps its drawn values
-            _load_backbone(ckpt, chunks, (HEAD,))
         d = data_dir(ctx)
         held_out = preference_source(d / "eval_pref.jsonl", tokenizer, seq_length, st.seed)
         return _preferences(d, tokenizer, seq_length, st.seed), held_out
 
-    return train_stage(cfg, ctx, step=make_step("reward"), sources=sources)
+    return train_stage(cfg, ctx, step=make_step("reward"), sources=sources, init_weights=init_weights)
 
 
 def _preferences(d: Any, tokenizer: Any, seq_length: int, seed: int) -> Any:
@@ -39,15 +45,16 @@ def _preferences(d: Any, tokenizer: Any, seq_length: int, seed: int) -> Any:
 
 
 def _load_backbone(ckpt: Any, chunks: list, fresh: tuple[str, ...]) -> None:
-    from engine.checkpoint import checkpointer as checkpoint
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.layout import MARKER
+    from engine.checkpoint.load import load_weights
     from pipeline.schema.hf_arch import is_hf_dir
 
     if is_hf_dir(ckpt.init_from):  # a Hugging Face model: its loader fills the GPT's own weights only
         ckpt.load_init_weights(chunks)
     else:
         root = ckpt.init_from
-        path = root if (root / checkpoint.MARKER).is_file() else checkpoint.find_latest(root)
+        path = root if (root / MARKER).is_file() else find_latest(root)
         if path is None:
             raise ValueError(f"reward_model.init_from={root}: no complete checkpoint there")
-        checkpoint.load_weights(path, chunks, fresh=fresh)
-    ckpt.init_weights_loaded = True
+        load_weights(path, chunks, fresh=fresh)

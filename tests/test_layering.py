@@ -114,7 +114,7 @@ def test_no_import_cycles_type_checking_imports_included() -> None:
 
 DYNAMIC_IMPORT_ALLOWED = {
     "engine/runtime/cpu_compat.py": "patches megatron-core internals named by dotted path (resolve)",
-    "engine/checkpoint/checkpointer.py": "the DCP metadata unpickler checks allowlisted torch/megatron classes",
+    "engine/checkpoint/unpickle.py": "the DCP metadata unpickler checks allowlisted torch/megatron classes",
     "pipeline/submit/prefork.py": "preloads external packages (torch, megatron) by name; project modules are "
     "imported plainly (_import_project)",
 }

@@ -231,7 +231,7 @@ def weight_stream(checkpoint: Path, model: ModelConfig) -> tuple[Iterator[tuple[
     if not rec.get("base"):
         raise ExportError(f"{checkpoint}: a LoRA checkpoint without a recorded base")
     base, padded = _base_stream(str(rec["base"]), model)
-    from engine.checkpoint.checkpointer import load_tensors
+    from engine.checkpoint.load import load_tensors
 
     deltas = lora.full_deltas(load_tensors(Path(checkpoint)), rec)
 
@@ -246,14 +246,15 @@ def weight_stream(checkpoint: Path, model: ModelConfig) -> tuple[Iterator[tuple[
 
 
 def _base_stream(base: str, model: ModelConfig) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
-    from engine.checkpoint import checkpointer as ck
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.layout import MARKER
     from engine.models.hf_weights import iter_hf_tensors
     from pipeline.schema.hf_arch import is_hf_dir, parse_ref
 
     path = parse_ref(base) or Path(base)
     if is_hf_dir(path):
         return iter_hf_tensors(path, model), int(model.vocab_size or 0)
-    found = path if (path / ck.MARKER).is_file() else ck.find_latest(path, collective=False)
+    found = path if (path / MARKER).is_file() else find_latest(path, collective=False)
     if found is None:
         raise ExportError(f"LoRA base {base}: no complete checkpoint there")
     return weight_stream(found, model)
@@ -312,7 +313,7 @@ def export(
 ) -> dict[str, Any]:
     """Write and verify the Hugging Face directory ``out``; returns the manifest. One process, one rank
     (plus the two check processes)."""
-    from engine.checkpoint.checkpointer import _require_committed
+    from engine.checkpoint.load import require_committed
     from engine.data.datasets import load_tokenizer
     from engine.models.hf_weights import to_hf_tensors
     from pipeline.schema.hf_arch import to_hf_config
@@ -327,7 +328,7 @@ def export(
     tmp.mkdir()
     start = time.monotonic()
     try:
-        _require_committed(Path(checkpoint))
+        require_committed(Path(checkpoint))
         torch.set_num_threads(threads)
         weights, padded = weight_stream(Path(checkpoint), model)
         first = next(weights)  # the embedding: its dtype is the export's
@@ -407,7 +408,7 @@ import dataclasses, json, sys, torch
 from pathlib import Path
 from pipeline.schema.config import ModelConfig, ParallelConfig
 from engine.runtime import distributed as D
-from engine.checkpoint.checkpointer import load_weights
+from engine.checkpoint.load import load_weights
 from engine.models.gpt import build_model, unwrap
 model = ModelConfig(**json.loads(Path(sys.argv[1]).read_text()))
 ckpt, vocab, threads = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

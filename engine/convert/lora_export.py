@@ -98,7 +98,7 @@ def export_peft(
     threads: int = 2,
 ) -> dict[str, Any]:
     """Write and verify the PEFT adapter directory ``out`` of LoRA checkpoint ``checkpoint``; the manifest."""
-    from engine.checkpoint.checkpointer import load_tensors, load_weights
+    from engine.checkpoint.load import load_tensors, load_weights
     from engine.data.datasets import load_tokenizer
     from engine.models.gpt import build_model, unwrap
     from engine.models.lora import adapter_tensors, checkpoint_record

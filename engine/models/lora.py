@@ -17,7 +17,7 @@ engine/models/init_weights.py (uniform in +-1/sqrt(in), PEFT's default) and B is
 from the same adapters and the adapted model starts equal to its base. In checkpoints the adapters carry
 megatron's sharding (B of a swiglu ``linear_fc1`` split into its gate and up halves like the weight), so
 they reshard across layouts. A LoRA stage's checkpoints hold the adapters and their optimizer state only
-(engine/checkpoint/checkpointer.py); ``merge_checkpoint`` folds them into base weights (eval, export, a next
+(engine/checkpoint/state.py); ``merge_checkpoint`` folds them into base weights (eval, export, a next
 stage's init_from) and ``merge`` folds the live adapters into the live weights.
 """
 

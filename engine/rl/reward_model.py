@@ -21,7 +21,9 @@ from engine.models.reward import HEAD, build, scores
 def load_backbone(init_from: Path, chunks: list[Any]) -> None:
     """Load a GPT checkpoint (or a Hugging Face directory) into a model with the head (PPO's critic from the
     SFT model): the head, which the source lacks, keeps the values it was drawn with."""
-    from engine.checkpoint import checkpointer as checkpoint
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.layout import MARKER
+    from engine.checkpoint.load import load_weights
     from pipeline.schema.hf_arch import is_hf_dir
 
     if is_hf_dir(init_from):
@@ -30,10 +32,10 @@ def load_backbone(init_from: Path, chunks: list[Any]) -> None:
 
         load_hf(chunks, init_from, model_config(init_from))
         return
-    path = init_from if (init_from / checkpoint.MARKER).is_file() else checkpoint.find_latest(init_from)
+    path = init_from if (init_from / MARKER).is_file() else find_latest(init_from)
     if path is None:
         raise ValueError(f"{init_from}: no complete checkpoint there")
-    checkpoint.load_weights(path, chunks, fresh=(HEAD,))
+    load_weights(path, chunks, fresh=(HEAD,))
 
 
 class RewardModel:
@@ -59,15 +61,17 @@ class RewardModel:
         batch_size: int = 16,
         chunks: list[Any] | None = None,
     ) -> None:
-        from engine.checkpoint import checkpointer as checkpoint
+        from engine.checkpoint.latest import find_latest
+        from engine.checkpoint.layout import MARKER
+        from engine.checkpoint.load import load_weights
 
         root = Path(checkpoints)
-        path = root if (root / checkpoint.MARKER).is_file() else checkpoint.find_latest(root)
+        path = root if (root / MARKER).is_file() else find_latest(root)
         if path is None:
             raise ValueError(f"reward model: no verified checkpoint under {root}")
         self.checkpoint = path
         self.chunks = chunks if chunks is not None else build(model_cfg, par, vocab_size, trainable=False)
-        checkpoint.load_weights(path, self.chunks)
+        load_weights(path, self.chunks)
         for c in self.chunks:
             c.eval()
             for p in c.parameters():

@@ -3,8 +3,8 @@
 Per step: every data-parallel rank takes its slice of the global batch (the global sample index,
 docs/ARCHITECTURE.md), megatron's ``get_forward_backward_func()`` runs the micro batches (no pipelining,
 1F1B or interleaved), the megatron optimizer steps, the LR scheduler advances. Rank 0 writes the metrics
-lines of docs/ARCHITECTURE.md. ``Checkpointer`` adapts engine.checkpoint.checkpointer (resume, init_from, save
-every ``save_interval`` and at the end). Set ``trainer.stop_requested = True`` to stop at the next step
+lines of docs/ARCHITECTURE.md. ``Checkpointer`` (engine.checkpoint.manager) does resume, init_from, saves
+every ``save_interval`` and at the end. Set ``trainer.stop_requested = True`` to stop at the next step
 boundary (with a checkpoint).
 """
 
@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from engine.checkpoint.manager import Checkpointer
 from engine.context import MetricsWriter
 from engine.data.datasets import sample_range
 from engine.runtime import distributed as D
@@ -30,7 +31,7 @@ from engine.train.bad_steps import BadStepError, BadStepGuard, reason_code, reas
 from engine.train.callback import Callbacks
 from engine.train.meter import StepMeter
 from engine.train.steps import Batch, ReferenceLogpStep
-from engine.train.units import NamedModel, TrainUnit, micro_batches, run_micro_batches
+from engine.train.units import TrainUnit, micro_batches, run_micro_batches
 from pipeline.records.files import atomic_write_text
 from pipeline.schema.config import ParallelConfig, TrainStage
 
@@ -124,212 +125,6 @@ def _set_fused(inner: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- data
-
-
-# ---------------------------------------------------------------------------- checkpoints
-
-
-class Checkpointer:
-    """Resume / init_from / periodic saves through engine.checkpoint.checkpointer (save, load_latest, load_weights)."""
-
-    def __init__(
-        self,
-        root: Path,
-        save_interval: int,
-        init_from: Path | None = None,
-        keep_last: int = 2,
-        async_save: bool = False,
-    ) -> None:
-        self.root = Path(root)
-        self.async_save = async_save
-        """Periodic saves in the background (final and forced saves stay synchronous)."""
-        self.finalize_seconds: list[float] = []
-        """Wall time of each ``finalize`` call that committed an async save (also a training stall)."""
-        self.save_interval = save_interval
-        self.keep_last = keep_last
-        self.init_from = Path(init_from) if init_from else None
-        self.last_saved: Path | None = None
-        self.save_seconds: list[float] = []
-        """Wall time of each save (the training stall)."""
-        self.failures = 0
-        self.max_failures = 3
-        """Consecutive failed saves that stop the run."""
-        self.keep_incomplete = 1
-        """Temp dirs of crashed saves kept (newest first); older ones are deleted at resume and after saves."""
-        self.peft: Any = None
-        """A PeftConfig with method=lora: checkpoints hold the adapters only, the base comes from init_from."""
-        self.base_loaded: Path | None = None
-        """The base weights loaded from init_from (recorded in a LoRA stage's checkpoints)."""
-
-    def restore(
-        self,
-        chunks: list[Any],
-        optimizer: Any,
-        scheduler: Any,
-        init_weights: bool = True,
-        models: dict[str, NamedModel] | None = None,
-    ) -> dict[str, Any] | None:
-        """Resume from the newest good checkpoint under root (full state, returned); else load init_from weights.
-
-        ``models``: the unit's other trained models (each restored from its own part of the checkpoint).
-        """
-        from engine.checkpoint import checkpointer as checkpoint
-
-        checkpoint.prune_incomplete(self.root, self.keep_incomplete)
-        found = checkpoint.load_latest(  # verified while it loads; a bad one is skipped for the one before
-            self.root,
-            # a LoRA checkpoint holds the adapters: the base comes from init_from
-            before_load=(lambda: self.load_init_weights(chunks)) if self.peft is not None else None,
-            model_chunks=chunks,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            models=_parts(models),
-        )
-        if found is not None:
-            return dict(found[1])
-        if init_weights:
-            self.load_init_weights(chunks)
-        return None
-
-    def load_init_weights(self, chunks: list[Any]) -> Path | None:
-        """Load the weights of init_from (a checkpoint directory, or a root holding them); None if unset."""
-        from engine.checkpoint import checkpointer as checkpoint
-
-        if self.init_from is None:
-            return None
-        from pipeline.schema.hf_arch import is_hf_dir
-
-        if is_hf_dir(self.init_from):  # a Hugging Face model directory (init_from=hf:<dir>)
-            from engine.models.hf_weights import load_hf
-            from pipeline.schema.hf_arch import model_config
-
-            load_hf(chunks, self.init_from, model_config(self.init_from))
-            self.base_loaded = self.init_from
-            return self.init_from
-        path = (
-            self.init_from
-            if (self.init_from / checkpoint.MARKER).is_file()
-            else checkpoint.find_latest(self.init_from)
-        )
-        if path is None:
-            raise ValueError(f"init_from={self.init_from}: no complete checkpoint there")
-        checkpoint.load_weights(path, chunks)
-        self.base_loaded = path
-        return path
-
-    def maybe_save(
-        self,
-        step: int,
-        final: bool,
-        force: bool,
-        chunks: list[Any],
-        optimizer: Any,
-        scheduler: Any,
-        state: dict,
-        models: dict[str, NamedModel] | None = None,
-    ) -> None:
-        """Save at every ``save_interval``, at the final step, and when ``force`` (a stop request).
-
-        A failed periodic save (disk full, permission denied) is logged and retried at the next interval;
-        ``max_failures`` failures in a row, or a failed final/forced save, stop the run.
-        """
-        if not (final or force or step % self.save_interval == 0):
-            return
-        from engine.checkpoint.checkpointer import WRITE_FAILURES
-
-        try:
-            self.save(
-                step,
-                chunks,
-                optimizer,
-                scheduler,
-                state,
-                final=final,
-                async_save=self.async_save and not force,
-                **({"models": models} if models else {}),  # subclasses written before models stay valid
-            )
-            self.failures = 0
-        except WRITE_FAILURES as e:  # CheckpointError, OSError, torch's CheckpointException (a full disk)
-            self._failed(e, give_up=final or force, step=step)
-
-    def _failed(self, e: BaseException, give_up: bool, step: int | None = None) -> None:
-        """Count a failed save; raise when it is the ``max_failures``-th in a row or ``give_up``."""
-        from engine.checkpoint.checkpointer import CheckpointError
-
-        self.failures += 1
-        where = f"at step {step}" if step is not None else "(async)"
-        log.error("checkpoint %s failed (%d in a row): %s: %s", where, self.failures, type(e).__name__, e)
-        if give_up or self.failures >= self.max_failures:
-            raise CheckpointError(
-                f"giving up after {self.failures} failed save(s) in a row; last: {type(e).__name__}: {e}"
-            ) from e
-
-    def save(
-        self,
-        step: int,
-        chunks: list[Any],
-        optimizer: Any,
-        scheduler: Any,
-        state: dict,
-        final: bool = False,
-        async_save: bool = False,
-        models: dict[str, NamedModel] | None = None,
-    ) -> Path:
-        from engine.checkpoint import checkpointer as checkpoint
-
-        t0 = time.time()
-        if self.peft is not None:
-            from engine.models.lora import PEFT_STATE_KEY, record
-
-            state = {**state, PEFT_STATE_KEY: record(self.peft, self.base_loaded)}
-        self.last_saved = checkpoint.save(
-            self.root,
-            step,
-            model_chunks=chunks,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            state=state,
-            keep_last=self.keep_last,
-            keep_incomplete=self.keep_incomplete,
-            final=final,
-            async_save=async_save,
-            models=_parts(models),
-        )
-        self.save_seconds.append(time.time() - t0)
-        return self.last_saved
-
-    def finalize(self, blocking: bool = False) -> None:
-        """Commit async saves whose writes are done (``blocking``: wait for them); collective, call every step."""
-        from engine.checkpoint import checkpointer as checkpoint
-
-        t0 = time.time()
-        pending = checkpoint.pending_async()
-        try:
-            checkpoint.finalize_async(blocking=blocking)
-        except checkpoint.WRITE_FAILURES as e:  # an async save's write or commit failed: counted the same
-            self._failed(e, give_up=blocking)
-            return
-        if pending > checkpoint.pending_async():
-            self.finalize_seconds.append(time.time() - t0)
-
-    def reload_latest(
-        self, chunks: list[Any], optimizer: Any, scheduler: Any, models: dict[str, NamedModel] | None = None
-    ) -> dict[str, Any] | None:
-        """Full state of the newest good checkpoint (a rollback), after committing any save in flight; None if none."""
-        from engine.checkpoint import checkpointer as checkpoint
-
-        self.finalize(blocking=True)
-        found = checkpoint.load_latest(
-            self.root, model_chunks=chunks, optimizer=optimizer, scheduler=scheduler, models=_parts(models)
-        )
-        return dict(found[1]) if found is not None else None
-
-
-def _parts(models: dict[str, NamedModel] | None) -> dict[str, tuple[list[Any], Any, Any]] | None:
-    """The trained named models as checkpoint parts: name -> (chunks, optimizer, scheduler)."""
-    if not models:
-        return None
-    return {n: (m.chunks, m.optimizer, m.scheduler) for n, m in models.items()}
 
 
 # ---------------------------------------------------------------------------- the loop

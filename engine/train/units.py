@@ -8,7 +8,7 @@ A ``TrainUnit`` decides what each optimizer step sees and which other named mode
 - ``models``: other named models (``NamedModel``): frozen ones (the RL reference, a reward model) have no
   optimizer and are loaded from their source (the stage's ``init_from``) at every start, so they are not
   written into checkpoints; trained ones (a critic) carry their own optimizer and schedule, and the
-  checkpoint holds their own part (``<name>.model`` / ``<name>.optimizer``, engine.checkpoint.checkpointer);
+  checkpoint holds their own part (``<name>.model`` / ``<name>.optimizer``, engine.checkpoint.save);
 - ``state()`` / ``load_state()``: the unit's plain resumable values (the position in a prompt stream, the
   sampler's seed scheme), saved in the checkpoint's common state next to the trainer's;
 - ``metrics()``: extra values of the last step for the ``train`` line (RL: reward mean/std, ...).

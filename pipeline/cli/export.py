@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = run_config(run_dir)
         ledger = Ledger(run_dir)
         stage = pick_stage(ledger, args.stage)
-        from engine.checkpoint.checkpointer import find_latest
+        from engine.checkpoint.latest import find_latest
 
         ckpt = find_latest(run_dir / "stages" / stage / "checkpoints", collective=False)
         if ckpt is None:

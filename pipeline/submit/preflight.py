@@ -39,7 +39,7 @@ INIT_FROM_SCHEMES: dict[str, Callable[[PipelineConfig, str, str], None]] = {}
 ``(cfg, stage, value)``; plain values are checkpoint paths."""
 
 CHECKPOINT_MARKER = "COMPLETE.json"
-"""The completion marker of a committed checkpoint (engine.checkpoint.checkpointer.MARKER; a test keeps them equal)."""
+"""The completion marker of a committed checkpoint (engine.checkpoint.layout.MARKER; a test keeps them equal)."""
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl")
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 # ModelConfig keys that decide the shape of the saved weights.

@@ -255,7 +255,7 @@ def _import_project() -> None:
     """The project's modules a job imports (plain imports, so the import graph shows them)."""
     import submitit.core.submission  # noqa: F401
 
-    import engine.checkpoint.checkpointer  # noqa: F401
+    import engine.checkpoint.manager  # noqa: F401
     import engine.models.generate  # noqa: F401
     import engine.rl.algorithms  # noqa: F401
     import engine.run  # noqa: F401

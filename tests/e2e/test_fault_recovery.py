@@ -35,7 +35,8 @@ _start = partial(cli.start, base=BASE)  # in its own process group, as a termina
 
 
 def final_tensors(root: Path) -> dict[str, torch.Tensor]:
-    from engine.checkpoint.checkpointer import find_latest, load_tensors
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.load import load_tensors
 
     latest = find_latest(run_dir(root) / "stages" / "pretrain" / "checkpoints", collective=False)
     assert latest is not None and latest.name == "iter_0000006", latest

@@ -72,7 +72,8 @@ def rlhf_dir(root: Path) -> Path:
 
 
 def final_tensors(root: Path) -> dict[str, torch.Tensor]:
-    from engine.checkpoint.checkpointer import find_latest, load_tensors
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.load import load_tensors
 
     latest = find_latest(rlhf_dir(root) / "checkpoints", collective=False)
     assert latest is not None and latest.name == "iter_0000006", latest
@@ -154,7 +155,7 @@ def _progress(root: Path) -> int:
 def test_grpo_killed_mid_run_resumes_bit_identical(
     sft_root: Path, baseline: tuple[dict, list[dict]], tmp_path: Path
 ) -> None:
-    from engine.checkpoint.checkpointer import load_tensors
+    from engine.checkpoint.load import load_tensors
 
     root = seeded(sft_root, tmp_path / "killed")
     cmd = subprocess.Popen(
@@ -213,7 +214,7 @@ def ppo_baseline(sft_root: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
 def test_ppo_trains_the_policy_and_the_critic_and_checkpoints_both(
     ppo_baseline: tuple[dict, list[dict], Path],
 ) -> None:
-    from engine.checkpoint.checkpointer import load_tensors
+    from engine.checkpoint.load import load_tensors
 
     final, lines, root = ppo_baseline
     train = [m for m in lines if m["kind"] == "train"]

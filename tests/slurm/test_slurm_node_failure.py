@@ -214,7 +214,8 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
-    from engine.checkpoint.checkpointer import find_latest, load_tensors
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.load import load_tensors
 
     latest = find_latest(run_dir / "stages" / "pretrain" / "checkpoints", collective=False)
     assert latest is not None and latest.name == f"iter_{ITERS:07d}", latest

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     data = run / "stages" / "data_prep"
 
     from engine.runtime import distributed as D
-    from engine.checkpoint.checkpointer import save
+    from engine.checkpoint.save import save
     from engine.data.datasets import load_tokenizer
     from engine.models.gpt import build_model
     from stages import eval as ev

@@ -7,7 +7,7 @@ Each run is a fresh process, so torch patches and megatron globals never leak be
 SPEC keys: model, parallel, stage (overrides of ModelConfig / ParallelConfig / TrainStage), step
 (pretrain | sft | dpo), samples (source size; = global batch for a repeated batch), vocab, save_weights /
 load_weights (a checkpoint root for the model weights only, every model chunk, written with
-engine.checkpoint.checkpointer), ckpt (a checkpoint root: resume from it and save every ``save_interval``
+engine.checkpoint.save/load), ckpt (a checkpoint root: resume from it and save every ``save_interval``
 steps through the trainer's Checkpointer), save_interval, metrics (a metrics.jsonl path), out (result
 file of rank 0; set by launch), peft (a PeftConfig dict: LoRA), tensorboard (a TensorBoard log dir), raising_sink (add a sink that raises),
 sinks (names of engine.callbacks.setup.SINKS for a stage ``pretrain`` in ``stage_dir`` of run ``run_dir``, with
@@ -77,19 +77,21 @@ def launch(
 
 def _weights(chunks: list[Any], path: str, save: bool) -> None:
     """Save (as iteration 0) or load the weights of every model chunk under checkpoint root ``path``."""
-    from engine.checkpoint import checkpointer as checkpoint
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.load import load_weights
+    from engine.checkpoint.save import save as save_checkpoint
 
     if save:
-        checkpoint.save(Path(path), 0, model_chunks=chunks, optimizer=None, scheduler=None, state={})
+        save_checkpoint(Path(path), 0, model_chunks=chunks, optimizer=None, scheduler=None, state={})
         return
-    latest = checkpoint.find_latest(Path(path))
+    latest = find_latest(Path(path))
     if latest is None:
         raise FileNotFoundError(f"load_weights={path}: no complete checkpoint there")
-    checkpoint.load_weights(latest, chunks)
+    load_weights(latest, chunks)
 
 
 def _checkpointer(spec: dict[str, Any]) -> Any:
-    from engine.train.trainer import Checkpointer
+    from engine.checkpoint.manager import Checkpointer
 
     if not spec.get("ckpt"):
         return None

@@ -68,11 +68,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         chunks = build_model(model, par, model.vocab_size or 0)
         read = load_hf(chunks, Path(spec["hf_dir"]), model)
         if spec.get("save_weights"):
-            from engine.checkpoint import checkpointer as checkpoint
+            from engine.checkpoint.save import save
 
-            checkpoint.save(
-                Path(spec["save_weights"]), 0, model_chunks=chunks, optimizer=None, scheduler=None, state={}
-            )
+            save(Path(spec["save_weights"]), 0, model_chunks=chunks, optimizer=None, scheduler=None, state={})
         logits = forward_logits(chunks, tokens, seq)
         if logits is not None and D.tp_rank() == 0 and spec.get("logits"):
             np.save(spec["logits"], logits[..., : model.vocab_size].float().numpy())

@@ -55,13 +55,16 @@ class SeparablePairs:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    from engine.checkpoint import checkpointer as checkpoint
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.load import load_weights
+    from engine.checkpoint.manager import Checkpointer
+    from engine.checkpoint.save import save
     from engine.models.gpt import build_model
     from engine.models.reward import HEAD, build
     from engine.rl.reward_model import RewardModel
     from engine.runtime import distributed as D
     from engine.train.steps import make_step
-    from engine.train.trainer import Checkpointer, Trainer, build_optimizer
+    from engine.train.trainer import Trainer, build_optimizer
     from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
 
     model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ)
@@ -82,10 +85,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         chunks = build(model_cfg, par, VOCAB)
         if spec.get("init"):  # a plain GPT checkpoint (like SFT's) loads into the reward model, head fresh
             plain = build_model(model_cfg, par, VOCAB)
-            checkpoint.save(
-                Path(spec["init"]), 0, model_chunks=plain, optimizer=None, scheduler=None, state={}
-            )
-            checkpoint.load_weights(checkpoint.find_latest(Path(spec["init"])), chunks, fresh=(HEAD,))
+            save(Path(spec["init"]), 0, model_chunks=plain, optimizer=None, scheduler=None, state={})
+            load_weights(find_latest(Path(spec["init"])), chunks, fresh=(HEAD,))
             out["init_loaded"] = True
         optimizer, scheduler = build_optimizer(chunks, stage, par)
         trainer = Trainer(

@@ -1,4 +1,4 @@
-"""Checkpoint commit protocol, verification, resume policy and retention (engine.checkpoint.checkpointer).
+"""Checkpoint commit protocol, verification, resume policy and retention (engine.checkpoint: save, load, latest, integrity).
 
 Saving needs torch.distributed and the CPU compatibility layer (which patches torch), so saves and loads run
 in a worker subprocess: this file run as a script (see ``_worker`` at the bottom). The checks on the files
@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint import checkpointer as ck
+from engine.checkpoint import errors, integrity, latest, layout, writer
+from engine.checkpoint import load as ckload
+from engine.checkpoint import save as cksave
+from engine.checkpoint import state as ckstate
 from tests.support.env import REPO
 
 WORKER_TIMEOUT_S = 300
@@ -57,13 +60,13 @@ def test_save_commits_marker_and_latest_then_loads(tmp_path: Path) -> None:
     assert names(root) == ["iter_0000001", "iter_0000002", "latest"]
     assert (root / "latest").read_text() == "iter_0000002\n"
     path = root / "iter_0000002"
-    meta = json.loads((path / ck.MARKER).read_text())
-    on_disk = {p.name for p in path.iterdir()} - {ck.MARKER}
+    meta = json.loads((path / layout.MARKER).read_text())
+    on_disk = {p.name for p in path.iterdir()} - {layout.MARKER}
     assert set(meta["files"]) == on_disk
     assert {"common.pt", "metadata.json", ".metadata", "__0_0.distcp", "rng.rank0.pt"} <= on_disk
     assert meta["iteration"] == 2 and meta["final"] is False and meta["world_size"] == 1
-    assert ck.verify(path) == []
-    assert ck.find_latest(root) == path
+    assert integrity.verify(path) == []
+    assert latest.find_latest(root) == path
 
     loaded = run_worker("load", str(path))
     assert loaded["state"] == {"consumed_samples": 16, "iteration": 2, "torch_threads": 1}
@@ -76,7 +79,7 @@ def test_async_save_commits_in_finalize(tmp_path: Path) -> None:
     out = run_worker("save", str(root), "--iters", "1", "2", "3", "--final-at", "3", "--async-save")
     assert out["committed_at_return"] == [False, False, True]  # the final save is synchronous
     assert names(root) == ["iter_0000001", "iter_0000002", "iter_0000003", "latest"]
-    assert all(ck.verify(root / f"iter_000000{i}") == [] for i in (1, 2, 3))
+    assert all(integrity.verify(root / f"iter_000000{i}") == [] for i in (1, 2, 3))
     loaded = run_worker("load", str(root / "iter_0000002"))
     assert loaded["weight"] == 2.0 and loaded["state"]["iteration"] == 2
 
@@ -84,8 +87,8 @@ def test_async_save_commits_in_finalize(tmp_path: Path) -> None:
 def test_state_must_hold_plain_values() -> None:
     import torch
 
-    with pytest.raises(ck.CheckpointError, match=r"state\['rng'\]: .*saved per rank"):
-        ck._plain_state({"consumed_samples": 8, "rng": {"torch": torch.zeros(2)}})
+    with pytest.raises(errors.CheckpointError, match=r"state\['rng'\]: .*saved per rank"):
+        ckstate.plain_state({"consumed_samples": 8, "rng": {"torch": torch.zeros(2)}})
 
 
 def test_crash_before_marker_leaves_only_a_temp_dir(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -95,10 +98,10 @@ def test_crash_before_marker_leaves_only_a_temp_dir(tmp_path: Path, caplog: pyte
     tmp = [n for n in names(root) if n.startswith("tmp.iter_0000002.")]
     assert len(tmp) == 1 and "iter_0000002" not in names(root)
     assert (root / "latest").read_text() == "iter_0000001\n"
-    assert ck.verify(root / tmp[0])[0].endswith("missing (the save did not complete)")
+    assert integrity.verify(root / tmp[0])[0].endswith("missing (the save did not complete)")
 
-    with caplog.at_level(logging.WARNING, logger=ck.__name__):
-        assert ck.find_latest(root) == root / "iter_0000001"
+    with caplog.at_level(logging.WARNING, logger=latest.__name__):
+        assert latest.find_latest(root) == root / "iter_0000001"
     assert tmp[0] in caplog.text and "did not finish" in caplog.text
     assert (root / tmp[0]).is_dir(), "find_latest must never delete"
 
@@ -113,16 +116,16 @@ def test_truncated_and_flipped_files_are_detected_and_skipped(
     flipped = root / "iter_0000002" / "common.pt"
     flip_byte(flipped, flipped.stat().st_size // 2)
 
-    assert ck.verify(root / "iter_0000003") == [
+    assert integrity.verify(root / "iter_0000003") == [
         f"{truncated}: size {truncated.stat().st_size} bytes, "
         f"the marker records {truncated.stat().st_size + 7}"
     ]
-    problems = ck.verify(root / "iter_0000002")
-    assert len(problems) == 1 and problems[0].startswith(f"{flipped}: {ck.HASH} ")
-    assert ck.verify(root / "iter_0000002", checksums=False) == []
+    problems = integrity.verify(root / "iter_0000002")
+    assert len(problems) == 1 and problems[0].startswith(f"{flipped}: {integrity.HASH} ")
+    assert integrity.verify(root / "iter_0000002", checksums=False) == []
 
-    with caplog.at_level(logging.WARNING, logger=ck.__name__):
-        assert ck.find_latest(root) == root / "iter_0000001"
+    with caplog.at_level(logging.WARNING, logger=latest.__name__):
+        assert latest.find_latest(root) == root / "iter_0000001"
     assert str(truncated) in caplog.text and str(flipped) in caplog.text
     assert "latest" in caplog.text  # the pointer names iter_0000003, which failed
     assert names(root) == ["iter_0000001", "iter_0000002", "iter_0000003", "latest"]
@@ -143,51 +146,51 @@ def test_retention_keeps_last_and_final(tmp_path: Path) -> None:
         "latest",
         "tmp.iter_0000001.dead",
     ]
-    assert json.loads((root / "iter_0000003" / ck.MARKER).read_text())["final"] is True
+    assert json.loads((root / "iter_0000003" / layout.MARKER).read_text())["final"] is True
     assert (
-        ck.verify(root / "iter_0000003") == []
+        integrity.verify(root / "iter_0000003") == []
     )  # re-saved once: the replaced copy is gone, the new one good
-    assert ck.find_latest(root) == root / "iter_0000006"
+    assert latest.find_latest(root) == root / "iter_0000006"
 
 
 def test_verify_and_find_latest_on_hand_made_dirs(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    assert ck.find_latest(root) is None
+    assert latest.find_latest(root) is None
     good = root / "iter_0000004"
     good.mkdir(parents=True)
     (good / "a.bin").write_bytes(b"abc")
-    ck._write_marker(good, {"iteration": 4, "files": {"a.bin": ck._file_record(good / "a.bin")}})
-    assert ck.verify(good) == [] and ck.find_latest(root) == good
+    layout.write_marker(good, {"iteration": 4, "files": {"a.bin": integrity.file_record(good / "a.bin")}})
+    assert integrity.verify(good) == [] and latest.find_latest(root) == good
 
     bad_marker = root / "iter_0000005"
     bad_marker.mkdir()
-    (bad_marker / ck.MARKER).write_text("{not json")
-    assert "unreadable" in ck.verify(bad_marker)[0]
+    (bad_marker / layout.MARKER).write_text("{not json")
+    assert "unreadable" in integrity.verify(bad_marker)[0]
     wrong_iter = root / "iter_0000006"
     wrong_iter.mkdir()
-    ck._write_marker(wrong_iter, {"iteration": 7, "files": {}})
-    assert "does not match the name" in ck.verify(wrong_iter)[0]
+    layout.write_marker(wrong_iter, {"iteration": 7, "files": {}})
+    assert "does not match the name" in integrity.verify(wrong_iter)[0]
     (good / "a.bin").unlink()
-    assert ck.verify(good) == [f"{good / 'a.bin'}: missing"]
-    assert ck.find_latest(root) is None
+    assert integrity.verify(good) == [f"{good / 'a.bin'}: missing"]
+    assert latest.find_latest(root) is None
 
-    ck.mark_final(wrong_iter)
-    assert json.loads((wrong_iter / ck.MARKER).read_text())["final"] is True
+    cksave.mark_final(wrong_iter)
+    assert json.loads((wrong_iter / layout.MARKER).read_text())["final"] is True
 
 
 def test_load_refuses_an_uncommitted_dir(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp.iter_0000001.abcd"
     tmp.mkdir()
-    with pytest.raises(ck.CheckpointError, match=r"refusing to load .*COMPLETE.json: missing"):
-        ck.load(tmp, model_chunks=[])
-    with pytest.raises(ck.CheckpointError, match="refusing to load"):
-        ck.load_weights(tmp, [])
+    with pytest.raises(errors.CheckpointError, match=r"refusing to load .*COMPLETE.json: missing"):
+        ckload.load(tmp, model_chunks=[])
+    with pytest.raises(errors.CheckpointError, match="refusing to load"):
+        ckload.load_weights(tmp, [])
 
 
 def test_file_owner_rule() -> None:
-    assert ck._owner("__3_0.distcp") == 3
-    assert ck._owner("rng.rank12.pt") == 12
-    assert ck._owner("common.pt") == ck._owner(".metadata") == ck._owner("metadata.json") == 0
+    assert layout.owner("__3_0.distcp") == 3
+    assert layout.owner("rng.rank12.pt") == 12
+    assert layout.owner("common.pt") == layout.owner(".metadata") == layout.owner("metadata.json") == 0
 
 
 # ---------------------------------------------------------------------------- worker (a subprocess)
@@ -244,10 +247,10 @@ def _worker_save(args) -> int:
     draws, pending = {}, []
     for it in args.iters:
         if it == args.crash_at:
-            ck._write_marker = _crash
+            cksave.write_marker = _crash
         chunk = _make_chunk(float(it))
         try:
-            path = ck.save(
+            path = cksave.save(
                 args.path,
                 it,
                 model_chunks=[chunk],
@@ -258,14 +261,14 @@ def _worker_save(args) -> int:
                 async_save=args.async_save,
                 final=it == args.final_at,
             )
-        except ck.CheckpointError as e:
+        except errors.CheckpointError as e:
             print(json.dumps({"error": str(e)}))
             return 3
         draws[it] = torch.rand(1).item()
         with torch.no_grad():
             chunk.w.fill_(-5.0)  # training goes on: an async save must still hold the values of the call
         pending.append(path.is_dir())
-    ck.finalize_async(blocking=True)
+    writer.finalize_async(blocking=True)
     print(json.dumps({"draw_after_save": draws, "committed_at_return": pending}))
     return 0
 
@@ -281,7 +284,7 @@ def _worker_load(args) -> int:
 
     chunk = _make_chunk(-1.0)
     torch.manual_seed(999)
-    state = ck.load(args.path, model_chunks=[chunk])
+    state = ckload.load(args.path, model_chunks=[chunk])
     w = chunk.w.detach()
     assert bool((w == w.flatten()[0]).all())
     print(

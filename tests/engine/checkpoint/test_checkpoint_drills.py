@@ -18,13 +18,13 @@ from tests.support.env import REPO
 
 HELPERS_SCRIPT = """
 import multiprocessing as mp, os, sys, time
-from engine.checkpoint import checkpointer as checkpoint
+from engine.checkpoint import writer
 
 if __name__ == "__main__":
-    checkpoint._signal_safe_writer_queue()  # the writer's results-queue manager, as the first save starts it
-    writer = mp.get_context("fork").Process(target=time.sleep, args=(600,))  # like megatron's async writer
-    writer.start()
-    print(checkpoint._MANAGER._process.pid, writer.pid, flush=True)
+    writer.signal_safe_writer_queue()  # the writer's results-queue manager, as the first save starts it
+    child = mp.get_context("fork").Process(target=time.sleep, args=(600,))  # like megatron's async writer
+    child.start()
+    print(writer._MANAGER._process.pid, child.pid, flush=True)
     time.sleep(600)
 """
 
@@ -85,11 +85,12 @@ def remark(path: Path) -> None:
     """Rewrite the completion marker so the tampered checkpoint verifies (the marker is no signature)."""
     import json
 
-    from engine.checkpoint.checkpointer import MARKER, _file_record
+    from engine.checkpoint.integrity import file_record
+    from engine.checkpoint.layout import MARKER
 
     meta = json.loads((path / MARKER).read_text())
     meta["files"] = {
-        p.relative_to(path).as_posix(): _file_record(p)
+        p.relative_to(path).as_posix(): file_record(p)
         for p in sorted(path.rglob("*"))
         if p.is_file()
         if p.name != MARKER
@@ -136,7 +137,8 @@ def test_a_checkpoint_with_a_pickle_payload_does_not_run_it(
 ) -> None:
     import shutil
 
-    from engine.checkpoint.checkpointer import CheckpointError, load_tensors
+    from engine.checkpoint.errors import CheckpointError
+    from engine.checkpoint.load import load_tensors
     from tests.support.engine_worker import launch
 
     root = tmp_path / "checkpoints"
@@ -174,7 +176,8 @@ def small_tmpfs(tmp_path: Path):  # type: ignore[no-untyped-def]
 def test_a_full_disk_gives_logged_failures_retries_and_a_clean_stop(
     small_tmpfs: Path, tmp_path: Path
 ) -> None:
-    from engine.checkpoint.checkpointer import find_latest, verify
+    from engine.checkpoint.integrity import verify
+    from engine.checkpoint.latest import find_latest
     from tests.support.engine_worker import launch
 
     root = small_tmpfs / "checkpoints"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint.checkpointer import CheckpointError
-from engine.train.trainer import Checkpointer
+from engine.checkpoint.errors import CheckpointError
+from engine.checkpoint.manager import Checkpointer
 
 
 class FlakyDisk(Checkpointer):

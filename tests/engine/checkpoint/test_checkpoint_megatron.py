@@ -1,4 +1,4 @@
-"""Exact resume through engine.checkpoint.checkpointer with a real tiny megatron GPT, optimizer and schedule.
+"""Exact resume through engine.checkpoint (save, load, manager) with a real tiny megatron GPT, optimizer and schedule.
 
 Run A trains 4 steps and saves at steps 2 and 4; run B gets a copy of A's checkpoints without step 4,
 resumes from step 2 and trains to 4. Required: B's model and optimizer right after loading equal A's at its
@@ -189,12 +189,14 @@ def snapshot(chunks: list, optimizer: Any) -> dict[str, Any]:
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from engine.checkpoint import checkpointer as checkpoint
     from engine.checkpoint import optim_fix
+    from engine.checkpoint.manager import Checkpointer
+    from engine.checkpoint.save import save as save_checkpoint
+    from engine.checkpoint.writer import finalize_async
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
     from engine.train.steps import make_step
-    from engine.train.trainer import Checkpointer, Trainer, build_optimizer
+    from engine.train.trainer import Trainer, build_optimizer
     from pipeline.schema.config import ModelConfig, ParallelConfig, PeftConfig, TrainStage
     from tests.support.synthetic import SyntheticSource
 
@@ -210,7 +212,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         """Records each save's duration and this rank's state at the moment of the save."""
 
         def maybe_save(self, *args, **kwargs):
-            checkpoint.finalize_async()  # once per step, on every rank
+            finalize_async()  # once per step, on every rank
             super().maybe_save(*args, **kwargs)
 
         def save(self, step, chunks, optimizer, scheduler, state, final=False, async_save=False):
@@ -225,7 +227,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         chunks = build_model(model_cfg, par, 256, peft=peft)
         if spec.get("base_only"):  # write the initial weights as a checkpoint (a LoRA run's init_from)
-            checkpoint.save(
+            save_checkpoint(
                 Path(spec["root"]), 0, model_chunks=chunks, optimizer=None, scheduler=None, state={}
             )
             return {}
@@ -239,9 +241,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             stage=stage,
             seq_length=model_cfg.seq_length,
             train_source=source,
-            checkpointer=DumpingCheckpointer(Path(spec["root"]), stage.save_interval, spec.get("init_from")),
+            checkpointer=DumpingCheckpointer(
+                Path(spec["root"]), stage.save_interval, spec.get("init_from"), peft=peft
+            ),
         )
-        trainer.checkpointer.peft = peft  # type: ignore[union-attr]
         t0 = time.monotonic()
         trainer.restore()
         if trainer.iteration or spec.get("init_from"):

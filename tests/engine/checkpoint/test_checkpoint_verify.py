@@ -1,4 +1,4 @@
-"""Verification shared by the ranks (engine.checkpoint.checkpointer.verify_collective / find_latest / load_latest).
+"""Verification shared by the ranks (engine.checkpoint.integrity.verify_collective, latest.find_latest, load.load_latest).
 
 The two-rank tests run this file as a script on 2 gloo ranks: each rank hashes only its share of a
 hand-made checkpoint, and a corrupted file in rank 1's share still makes both ranks skip it (no megatron);
@@ -18,20 +18,22 @@ from typing import Any
 
 import pytest
 
-from engine.checkpoint import checkpointer as ck
+from engine.checkpoint import errors, integrity, latest, layout
+from engine.checkpoint import load as ckload
+from engine.checkpoint import save as cksave
 from tests.support.env import REPO
 
 FILES = ("__0_0.distcp", "__1_0.distcp", "rng.rank0.pt", "rng.rank1.pt", "common.pt", ".metadata")
 
 
-def make_checkpoint(root: Path, iteration: int, size: int = 3000, algo: str = ck.HASH) -> Path:
-    path = root / ck.iter_dir_name(iteration)
+def make_checkpoint(root: Path, iteration: int, size: int = 3000, algo: str = integrity.HASH) -> Path:
+    path = root / layout.iter_dir_name(iteration)
     path.mkdir(parents=True)
     for i, name in enumerate(FILES):
         (path / name).write_bytes(bytes((iteration * 7 + i + j) % 251 for j in range(size)))
-    files = {name: ck._file_record(path / name, algo=algo) for name in FILES}
-    ck._write_marker(path, {"iteration": iteration, "files": files})
-    (root / ck.LATEST).write_text(path.name + "\n")
+    files = {name: integrity.file_record(path / name, algo=algo) for name in FILES}
+    layout.write_marker(path, {"iteration": iteration, "files": files})
+    (root / layout.LATEST).write_text(path.name + "\n")
     return path
 
 
@@ -44,9 +46,9 @@ def flip_byte(path: Path, offset: int) -> None:
 def test_shares_cover_every_file_once() -> None:
     files = {name: {} for name in (*FILES, "__2_0.distcp", "__3_1.distcp", "rng.rank3.pt")}
     for world in (1, 2, 3):
-        shares = [[rel for rel, _ in ck.share(files, r, world)] for r in range(world)]
+        shares = [[rel for rel, _ in integrity.share(files, r, world)] for r in range(world)]
         assert sorted(sum(shares, [])) == sorted(files)
-    assert [rel for rel, _ in ck.share(files, 1, 2)] == [
+    assert [rel for rel, _ in integrity.share(files, 1, 2)] == [
         "__1_0.distcp",
         "__3_1.distcp",
         "rng.rank1.pt",
@@ -55,28 +57,30 @@ def test_shares_cover_every_file_once() -> None:
 
 
 def test_sampled_mode_checks_sampled_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ck, "_HASH_BLOCK", 64)
+    monkeypatch.setattr(integrity, "_HASH_BLOCK", 64)
     path = make_checkpoint(tmp_path, 1, size=64 * 20)  # 20 blocks, 8 sampled: 0, 3, 5, ..., 19
-    record = json.loads((path / ck.MARKER).read_text())["files"]["__1_0.distcp"]
-    assert sorted(map(int, record["blocks"])) == ck._sample_blocks(64 * 20) and len(record["blocks"]) == 8
+    record = json.loads((path / layout.MARKER).read_text())["files"]["__1_0.distcp"]
+    assert (
+        sorted(map(int, record["blocks"])) == integrity._sample_blocks(64 * 20) and len(record["blocks"]) == 8
+    )
     flip_byte(path / "__1_0.distcp", 64 * 19 + 5)  # in the last block: sampled
-    assert "block 19" in ck.verify(path, mode="sampled")[0]
+    assert "block 19" in integrity.verify(path, mode="sampled")[0]
     flip_byte(path / "__1_0.distcp", 64 * 19 + 5)
     flip_byte(path / "__1_0.distcp", 64 * 1 + 5)  # block 1 is not sampled: only full verification sees it
-    assert ck.verify(path, mode="sampled") == []
-    assert ck.HASH in ck.verify(path, mode="full")[0]
+    assert integrity.verify(path, mode="sampled") == []
+    assert integrity.HASH in integrity.verify(path, mode="full")[0]
 
 
 @pytest.mark.parametrize("mode", ["full", "sampled"])
 def test_markers_with_sha256_still_verify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """Checkpoints whose marker records sha256 (written before xxh3_128) verify with sha256."""
-    monkeypatch.setattr(ck, "_HASH_BLOCK", 64)
+    monkeypatch.setattr(integrity, "_HASH_BLOCK", 64)
     path = make_checkpoint(tmp_path, 1, size=64 * 20, algo="sha256")
-    record = json.loads((path / ck.MARKER).read_text())["files"]["__1_0.distcp"]
-    assert "sha256" in record and ck.HASH not in record
-    assert ck.verify(path, mode=mode) == []
+    record = json.loads((path / layout.MARKER).read_text())["files"]["__1_0.distcp"]
+    assert "sha256" in record and integrity.HASH not in record
+    assert integrity.verify(path, mode=mode) == []
     flip_byte(path / "__1_0.distcp", 64 * 19 + 5)  # the last block: sampled and hashed in full
-    problem = ck.verify(path, mode=mode)[0]
+    problem = integrity.verify(path, mode=mode)[0]
     assert "sha256" in problem and "__1_0.distcp" in problem
 
 
@@ -114,7 +118,9 @@ def test_two_ranks_verify_their_own_files_and_agree(tmp_path: Path) -> None:
     assert corrupt in r1["hashed"] and corrupt not in r0["hashed"]
     assert not any("__1_" in f or "rank1" in f for f in r0["hashed"]), r0["hashed"]
     assert not any("__0_" in f or "rank0" in f or "common" in f for f in r1["hashed"]), r1["hashed"]
-    assert f"skipping checkpoint {newest}: {corrupt}: {ck.HASH}" in err0  # rank 0 reports rank 1's finding
+    assert (
+        f"skipping checkpoint {newest}: {corrupt}: {integrity.HASH}" in err0
+    )  # rank 0 reports rank 1's finding
 
 
 @pytest.mark.dist
@@ -129,12 +135,14 @@ def test_resume_verifies_while_loading_and_falls_back(tmp_path: Path) -> None:
     corrupt = out["corrupt"]
     assert "__1_" in Path(corrupt).name
     for rank, r in enumerate(out["ranks"]):
-        assert r["error"].startswith(f"refusing to load {Path(corrupt).parent}: {corrupt}: {ck.HASH}"), r
+        assert r["error"].startswith(
+            f"refusing to load {Path(corrupt).parent}: {corrupt}: {integrity.HASH}"
+        ), r
         assert r["after_error"] == [-1.0], "a tensor of the corrupted checkpoint reached the model"
         assert r["resumed"] == {"iteration": 1, "it": 1} and r["after_resume"] == [1.0], r
         assert (corrupt in r["hashed"]) == (rank == 1), r["hashed"]  # only rank 1 hashes its own file
     log0 = (tmp_path / "work" / "rank0.log").read_text()
-    assert f"skipping checkpoint {Path(corrupt).parent}: {corrupt}: {ck.HASH}" in log0
+    assert f"skipping checkpoint {Path(corrupt).parent}: {corrupt}: {integrity.HASH}" in log0
     for r in out["ranks"]:  # every checkpoint bad
         assert r["restore_1"] is None and r["after_1"] == [-1.0], r  # the only one: verified first, untouched
         assert r["restore_2"].endswith("run the stage again to start from scratch"), r
@@ -148,8 +156,8 @@ def _load_worker(spec: dict) -> dict:
     import torch
     from megatron.core.dist_checkpointing import ShardedTensor
 
+    from engine.checkpoint.manager import Checkpointer
     from engine.runtime import distributed as D
-    from engine.train.trainer import Checkpointer
 
     logging.basicConfig(level=logging.WARNING)
     D.init(1, 1, None, seed=1, threads=1)
@@ -170,20 +178,20 @@ def _load_worker(spec: dict) -> dict:
     chunk, root = Chunk(), Path(spec["root"])
     for it in (1, 2):
         chunk.w.data.fill_(float(it))
-        ck.save(root, it, model_chunks=[chunk], optimizer=None, scheduler=None, state={"it": it})
-    newest = root / ck.iter_dir_name(2)
+        cksave.save(root, it, model_chunks=[chunk], optimizer=None, scheduler=None, state={"it": it})
+    newest = root / layout.iter_dir_name(2)
     corrupt = max(newest.glob("__1_*.distcp"), key=lambda p: p.stat().st_size)
     if rank == 1:
         flip_byte(corrupt, corrupt.stat().st_size // 2)
     D.barrier()
     hashed: list[str] = []
-    record = ck._file_record
-    ck._file_record = lambda path, **kw: hashed.append(str(path)) or record(path, **kw)  # type: ignore
+    record = integrity.file_record
+    integrity.file_record = lambda path, **kw: hashed.append(str(path)) or record(path, **kw)  # type: ignore
     chunk.w.data.fill_(-1.0)
     try:
-        ck.load(newest, model_chunks=[chunk], verify="full")
+        ckload.load(newest, model_chunks=[chunk], verify="full")
         error = "loaded"
-    except ck.CorruptCheckpoint as e:
+    except errors.CorruptCheckpoint as e:
         error = str(e)
     after_error = sorted(set(chunk.w.data.tolist()))
     state = Checkpointer(root, 1000).restore([chunk], None, None)
@@ -203,15 +211,15 @@ def _load_worker(spec: dict) -> dict:
 def _all_bad(chunk: Any, tmp: Path, rank: int) -> dict:
     """Every checkpoint corrupt: one alone is verified before it loads (a clean fresh start); after a failed
     load of a newer one, the resume stops with an error naming them."""
+    from engine.checkpoint.manager import Checkpointer
     from engine.runtime import distributed as D
-    from engine.train.trainer import Checkpointer
 
     out: dict[str, Any] = {}
     for n in (1, 2):
         root = tmp / f"all-bad-{n}"
         for it in range(1, n + 1):
             chunk.w.data.fill_(float(it))
-            path = ck.save(root, it, model_chunks=[chunk], optimizer=None, scheduler=None, state={})
+            path = cksave.save(root, it, model_chunks=[chunk], optimizer=None, scheduler=None, state={})
             if rank == 1:
                 bad = max(path.glob("__1_*.distcp"), key=lambda p: p.stat().st_size)
                 flip_byte(bad, bad.stat().st_size // 2)
@@ -219,7 +227,7 @@ def _all_bad(chunk: Any, tmp: Path, rank: int) -> dict:
         chunk.w.data.fill_(-1.0)
         try:
             out[f"restore_{n}"] = Checkpointer(root, 1000).restore([chunk], None, None)
-        except ck.CheckpointError as e:
+        except errors.CheckpointError as e:
             out[f"restore_{n}"] = str(e)
         out[f"after_{n}"] = sorted(set(chunk.w.data.tolist()))
     return out
@@ -233,14 +241,14 @@ def _worker(root: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     dist.init_process_group("gloo")
     hashed: list[str] = []
-    record = ck._file_record
+    record = integrity.file_record
 
     def spy(path: Path, **kw: object) -> dict:
         hashed.append(str(path))
         return record(path, **kw)  # type: ignore[arg-type]
 
-    ck._file_record = spy  # type: ignore[assignment]
-    found = ck.find_latest(Path(root))
+    integrity.file_record = spy  # type: ignore[assignment]
+    found = latest.find_latest(Path(root))
     print(json.dumps({"found": str(found), "hashed": hashed}), flush=True)
     dist.destroy_process_group()
 

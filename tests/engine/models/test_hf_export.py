@@ -19,7 +19,7 @@ WORKER = ROOT / "tests" / "support" / "hf_worker.py"
 EXPORT = """
 import json, sys
 from pathlib import Path
-from engine.checkpoint.checkpointer import find_latest
+from engine.checkpoint.latest import find_latest
 from engine.convert.export import export
 from pipeline.schema.hf_arch import model_config
 hf, root, out, tol = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4])

@@ -52,7 +52,7 @@ def test_lora_checkpoint_holds_adapters_only_resumes_exactly_and_merges(tmp_path
     records its base; a resume after losing the last checkpoint is bit-exact; as init_from it loads merged."""
     import torch
 
-    from engine.checkpoint.checkpointer import load_tensors
+    from engine.checkpoint.load import load_tensors
 
     base = tmp_path / "base" / "checkpoints"
     par = {"global_batch_size": 8, "micro_batch_size": 4}
@@ -185,7 +185,7 @@ def subprocess_plan(overrides: list[str]) -> str:
 EXPORT_BOTH = """
 import json, sys
 from pathlib import Path
-from engine.checkpoint.checkpointer import find_latest
+from engine.checkpoint.latest import find_latest
 from engine.convert.export import export
 from engine.convert.lora_export import export_peft
 from pipeline.schema.hf_arch import model_config

@@ -91,13 +91,14 @@ def ckpts(root: Path) -> Path:
 
 
 def tensors(root: Path, iteration: int = 6) -> dict[str, torch.Tensor]:
-    from engine.checkpoint.checkpointer import iter_dir_name, load_tensors
+    from engine.checkpoint.layout import iter_dir_name
+    from engine.checkpoint.load import load_tensors
 
     return load_tensors(ckpts(root) / iter_dir_name(iteration))
 
 
 def saved_state(root: Path, iteration: int = 6) -> dict:
-    from engine.checkpoint.checkpointer import iter_dir_name
+    from engine.checkpoint.layout import iter_dir_name
 
     common = torch.load(ckpts(root) / iter_dir_name(iteration) / "common.pt", weights_only=False)
     return common["checkpoint"]

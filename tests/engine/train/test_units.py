@@ -56,7 +56,8 @@ def test_a_trained_second_model_saves_and_loads_its_own_part(tmp_path: Path) -> 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from engine.checkpoint import checkpointer as checkpoint
+    from engine.checkpoint.load import load
+    from engine.checkpoint.save import save
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
     from engine.train.steps import make_step
@@ -89,13 +90,13 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         pc, po, ps, _ = models["policy"]
         cc, co, cs, _ = models["critic"]
         root = Path(spec["root"])
-        path = checkpoint.save(
+        path = save(
             root, 1, model_chunks=pc, optimizer=po, scheduler=ps, state={}, models={"critic": (cc, co, cs)}
         )
         for _, _, _, t in models.values():
             t.train_step(1)
         after = {n: snapshot(c, o) for n, (c, o, _, _) in models.items()}
-        checkpoint.load(path, model_chunks=pc, optimizer=po, scheduler=ps, models={"critic": (cc, co, cs)})
+        load(path, model_chunks=pc, optimizer=po, scheduler=ps, models={"critic": (cc, co, cs)})
         loaded = {n: snapshot(c, o) for n, (c, o, _, _) in models.items()}
         return {
             "critic_differs_from_policy": not torch.equal(
