@@ -124,10 +124,11 @@ def _callbacks(spec: dict[str, Any]) -> Any:
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.context import MetricsWriter
     from engine.models.gpt import build_model, model_config, num_parameters
+    from engine.rl.dpo import DPOStep, WithReference, reference_logps
     from engine.runtime import distributed as D
     from engine.testing.synthetic import SyntheticPreferenceSource, SyntheticSource
     from engine.train.steps import make_step
-    from engine.train.trainer import Trainer, WithReference, build_optimizer, reference_logps
+    from engine.train.trainer import Trainer, build_optimizer
     from pipeline.schema.config import ModelConfig, ParallelConfig, PeftConfig, TrainStage
 
     model_cfg = ModelConfig(**spec.get("model", {}))
@@ -152,7 +153,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             prefs = SyntheticPreferenceSource(n, vocab, seq, seed=1)
             ref = reference_logps(chunks, prefs, first_step=0, steps=stage.iters, stage=stage, seq_length=seq)
             source: Any = WithReference(prefs, ref, 0)
-            step = make_step("dpo", beta=stage.beta)
+            step = DPOStep(beta=stage.beta)
         else:
             source = SyntheticSource(n, vocab, seq, seed=1)
             step = make_step(name)
