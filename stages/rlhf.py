@@ -1,50 +1,49 @@
-"""RLHF of the SFT model: offline DPO, or online GRPO or PPO with generation in the loop (``rlhf.algorithm``).
+"""RLHF of the SFT model with ``rlhf.algorithm``: offline DPO, or online GRPO, Dr. GRPO or PPO with generation in
+the loop (each declared in pipeline/schema/rl.py, implemented by its engine.rl module: engine.rl.registry).
 
-Both run on the engine's one loop through a training unit (engine.train.units):
-
-- ``dpo``: the frozen reference (a frozen copy of the starting weights, ``init_from``) scores every
-  preference pair the run will use, once, before training; the log-probs are cached in
-  ``out_dir/reference_logps.npy`` so a resumed job reuses them, and the frozen copy is freed. The step
-  then needs only the policy.
-- ``grpo``: per step, prompts from the task's prompt stream, ``group_size`` samples each from the policy
-  (engine.models.generate), rewards from ``rlhf.reward`` (engine.rl.rewards), group-normalised
-  advantages, a clipped policy loss with a KL penalty to the frozen reference (engine.rl.algorithms).
-- ``ppo``: the same rollouts and rewards, plus a trained critic (the SFT model with a value head, its own
-  optimizer and checkpoint part): GAE advantages, clipped policy and value losses (engine.rl.algorithms).
+Every algorithm runs on the engine's one loop through a training unit (engine.train.units); this stage only
+builds the inputs the algorithm's declaration says it reads (``RLInputs``): ``prompts`` (the task's prompt
+stream, each prompt's answer and the task checker), ``reward`` (the reward_model stage's model when
+``rlhf.reward`` is model or both); ``preferences`` are read by the algorithm from data_prep's output.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from engine.context import StageContext
-from pipeline.records.files import atomic_write
-from pipeline.schema.config import PipelineConfig, TrainStage
+from pipeline.schema.config import PipelineConfig
 
-REFERENCE_FILE = "reference_logps.npy"
+if TYPE_CHECKING:
+    from engine.rl.registry import RLInputs
 
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
+    from engine.rl import registry
     from engine.run import train_stage
 
-    algorithm = cfg.rlhf.algorithm
-    if algorithm == "dpo":
-        from engine.train.steps import make_step
+    algorithm = registry.get(cfg.rlhf.algorithm)
 
-        return train_stage(cfg, ctx, step=make_step("dpo", beta=cfg.rlhf.beta), unit=_dpo_unit)
-    from engine.rl import algorithms as rl
+    def unit(env: Any) -> tuple[Any, Any]:
+        return algorithm.unit(env, rl_inputs(cfg, ctx, env))
+
+    return train_stage(cfg, ctx, step=algorithm.step(cfg.rlhf), unit=unit)
+
+
+def rl_inputs(cfg: PipelineConfig, ctx: StageContext, env: Any) -> RLInputs:
+    """The inputs ``rlhf.algorithm`` declares it reads (pipeline/schema/rl.py), in the order jobs built them."""
+    from engine.rl.registry import RLInputs
     from engine.run import data_dir
+    from pipeline.schema.rl import algorithm, reads_reward_model
     from stages import tasks
 
-    def unit(env: Any) -> tuple[Any, None]:
-        prompts, answers = task_prompts(data_dir(ctx))
-        rm = _reward_model(cfg, ctx, env) if cfg.rlhf.reward in ("model", "both") else None
-        return rl.online_unit(env, prompts, answers, check=tasks.is_correct, reward_model=rm)
-
-    return train_stage(cfg, ctx, step=rl.make_online_step(cfg.rlhf), unit=unit)
+    reads = algorithm(cfg.rlhf.algorithm).reads
+    d = data_dir(ctx)
+    prompts, answers = task_prompts(d) if "prompts" in reads else ([], [])
+    rm = _reward_model(cfg, ctx, env) if reads_reward_model(cfg.rlhf.algorithm, cfg.rlhf.reward) else None
+    check = tasks.is_correct if "prompts" in reads else None
+    return RLInputs(d, prompts, answers, check, rm)
 
 
 def task_prompts(d: Path) -> tuple[list[str], list[str]]:
@@ -85,48 +84,3 @@ def _reward_model(cfg: PipelineConfig, ctx: StageContext, env: Any) -> Any:
         seq_length=env.seq_length,
         batch_size=env.stage.parallel.micro_batch_size,
     )
-
-
-def _dpo_unit(env: Any) -> tuple[Any, None]:
-    from engine.run import data_dir
-    from engine.train.trainer import WithReference
-    from engine.train.units import TrainUnit
-
-    prefs = _preferences(data_dir(env.ctx), env.tokenizer, env.seq_length, env.stage.seed)
-    ref = _reference(env.ctx.out_dir / REFERENCE_FILE, prefs, env)
-    return TrainUnit(WithReference(prefs, ref, 0)), None
-
-
-def _preferences(d: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
-    from engine.data.chat import train_preferences
-
-    return train_preferences(d, tokenizer, seq_length, seed)
-
-
-def _reference(path: Path, prefs: Any, env: Any) -> np.ndarray:
-    """Reference log-probs [iters * G, 2]: from the cache, or computed by a frozen copy of the init_from weights."""
-    from engine.runtime import distributed as D
-    from engine.train.trainer import reference_logps
-
-    st: TrainStage = env.stage
-    rows = st.iters * st.parallel.global_batch_size
-    if D.any_rank(not path.is_file()):
-        reference = env.frozen_model()
-        ref = reference_logps(
-            reference, prefs, first_step=0, steps=st.iters, stage=st, seq_length=env.seq_length
-        )
-        del reference
-        if D.is_rank0():
-            _save_atomic(path, ref)
-        D.barrier()
-        return ref
-    ref = np.load(path)
-    if ref.shape != (rows, 2):
-        raise ValueError(
-            f"{path}: shape {ref.shape}, expected ({rows}, 2) for rlhf.iters x global_batch_size"
-        )
-    return ref
-
-
-def _save_atomic(path: Path, array: np.ndarray) -> None:
-    atomic_write(path, lambda f: np.save(f, array), binary=True)

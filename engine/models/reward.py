@@ -53,7 +53,7 @@ def scores(gpt: Any, index: torch.Tensor) -> torch.Tensor:
 
 
 def token_values(gpt: Any) -> torch.Tensor:
-    """The head at every position of the last forward pass: [b, s] (fp32). PPO's critic (engine.rl.algorithms) is
+    """The head at every position of the last forward pass: [b, s] (fp32). PPO's critic (engine.rl.ppo) is
     a model of this kind: the value of each prefix is the head on its last hidden state."""
     hidden = gpt._reward_hidden  # [s, b, h]
     head = getattr(gpt, HEAD)

@@ -1,12 +1,11 @@
 """Training steps in megatron's ``forward_step_func(data_iterator, model) -> (output, loss_func)`` shape.
 
 The data iterator yields micro batches: dicts of CPU tensors stacked from sample-source items
-(``tokens``/``labels`` int64 and ``loss_mask`` float32 of shape [b, seq]; DPO: [b, 2, seq] plus ``ref_logp``
-float32 [b, 2]). ``loss_func(output)`` returns ``(loss_sum, num_tokens, {name: tensor([sum, count])})``:
+(``tokens``/``labels`` int64 and ``loss_mask`` float32 of shape [b, seq]; pairs: [b, 2, seq]). ``loss_func(output)`` returns ``(loss_sum, num_tokens, {name: tensor([sum, count])})``:
 megatron (``calculate_per_token_loss=True``) divides the gradients by the global ``num_tokens``, and the
 trainer reports each logged metric as global sum / global count.
 
-Register new algorithms in ``STEPS``.
+Register new steps in ``STEPS``; the RL algorithms' steps live in engine.rl (engine.rl.registry).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine.runtime import distributed as D
 
@@ -80,74 +78,6 @@ class SFTStep(PretrainStep):
     name = "sft"
 
 
-class DPOStep:
-    """Direct preference optimisation against precomputed reference log-probs (``ref_logp``).
-
-    loss = -logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), log-probs summed over response tokens;
-    num_tokens = number of pairs. Chosen and rejected go through the model as one batch of 2b sequences.
-    """
-
-    name = "dpo"
-    sequences_per_sample = 2
-    metric_names: tuple[str, ...] = ("loss", "reward_margin", "pref_acc")
-
-    def __init__(self, beta: float = 0.1) -> None:
-        if beta <= 0:
-            raise ValueError(f"beta={beta}: must be > 0")
-        self.beta = beta
-
-    def __call__(
-        self, data_iterator: Iterator[Batch], model: Any
-    ) -> tuple[torch.Tensor, Callable[..., LossOut]]:
-        batch = _next_batch(data_iterator)
-        output = _per_token_nll(model, batch["tokens"].flatten(0, 1), batch["labels"].flatten(0, 1))
-        return output, partial(self.loss, batch["loss_mask"], batch["ref_logp"])
-
-    def loss(self, loss_mask: torch.Tensor, ref_logp: torch.Tensor, output: torch.Tensor) -> LossOut:
-        logp = sequence_logps(loss_mask, output)
-        margin = self.beta * ((logp[:, 0] - ref_logp[:, 0]) - (logp[:, 1] - ref_logp[:, 1]))
-        loss = -F.logsigmoid(margin).sum()
-        pairs = torch.tensor(logp.shape[0], dtype=torch.int, device=logp.device)
-        return (
-            loss,
-            pairs,
-            {
-                "loss": _report(loss, pairs),
-                "reward_margin": _report(margin.sum(), pairs),
-                "pref_acc": _report((margin > 0).float().sum(), pairs),
-            },
-        )
-
-
-def sequence_logps(loss_mask: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-    """Per-sequence log-prob summed over masked tokens: [b, 2] from per-token NLL [2b, s] and mask [b, 2, s]."""
-    b = loss_mask.shape[0]
-    return -(output.float().reshape(b, 2, -1) * loss_mask.float()).sum(-1)
-
-
-class ReferenceLogpStep(DPOStep):
-    """Forward-only pass of the frozen reference: logs the per-pair log-probs (``logps`` [b, 2])."""
-
-    name = "reference_logp"
-    metric_names: tuple[str, ...] = ()
-
-    def __init__(self) -> None:
-        super().__init__(beta=1.0)
-
-    def __call__(
-        self, data_iterator: Iterator[Batch], model: Any
-    ) -> tuple[torch.Tensor, Callable[..., LossOut]]:
-        batch = _next_batch(data_iterator)
-        output = _per_token_nll(model, batch["tokens"].flatten(0, 1), batch["labels"].flatten(0, 1))
-        return output, partial(self.logps, batch["loss_mask"])
-
-    @staticmethod
-    def logps(loss_mask: torch.Tensor, output: torch.Tensor) -> LossOut:
-        logp = sequence_logps(loss_mask, output).detach()
-        pairs = torch.tensor(logp.shape[0], dtype=torch.int, device=logp.device)
-        return logp.sum() * 0, pairs, {"logps": logp}
-
-
 class RewardStep:
     """Bradley–Terry reward-model training: ``loss = -log sigmoid(r(chosen) - r(rejected))`` per pair, with
     r the scalar head on the final hidden state at the last response token (``engine.models.reward``).
@@ -202,13 +132,12 @@ class RewardStep:
 STEPS: dict[str, Callable[..., Any]] = {
     "pretrain": PretrainStep,
     "sft": SFTStep,
-    "dpo": DPOStep,
     "reward": RewardStep,
 }
 
 
 def make_step(name: str, **kwargs: Any) -> Any:
-    """A step by name (``STEPS``), e.g. ``make_step("dpo", beta=0.1)``."""
+    """A step by name (``STEPS``), e.g. ``make_step("pretrain")``; the RL steps are engine.rl's (engine.rl.registry)."""
     if name not in STEPS:
         raise ValueError(f"algorithm={name!r}: must be one of {sorted(STEPS)}")
     return STEPS[name](**kwargs)

@@ -23,14 +23,13 @@ import torch
 
 from engine.checkpoint.manager import Checkpointer
 from engine.context import MetricsWriter
-from engine.data.datasets import sample_range
 from engine.runtime import distributed as D
 from engine.runtime.fault_injection import FaultInjector
 from engine.runtime.signals import Preempted, StopFlag, Watchdog
 from engine.train.bad_steps import BadStepError, BadStepGuard, reason_code, reason_from_code
 from engine.train.callback import Callbacks
 from engine.train.meter import StepMeter
-from engine.train.steps import Batch, ReferenceLogpStep
+from engine.train.steps import Batch
 from engine.train.units import TrainUnit, micro_batches, run_micro_batches
 from pipeline.records.files import atomic_write_text
 from pipeline.schema.config import ParallelConfig, TrainStage
@@ -586,62 +585,3 @@ def _poisoned(step: Any) -> Any:
         return output, poisoned_loss
 
     return forward
-
-
-# ---------------------------------------------------------------------------- DPO reference log-probs
-
-
-@torch.no_grad()
-def reference_logps(
-    chunks: list[Any],
-    source: SampleSource,
-    *,
-    first_step: int,
-    steps: int,
-    stage: TrainStage,
-    seq_length: int,
-) -> np.ndarray:
-    """Log-probs [n, 2] (chosen, rejected) of ``chunks`` for global samples [first_step*G, steps*G).
-
-    A forward-only pass (DPO's frozen reference, before training); every rank gets the array.
-    """
-    G, mbs = stage.parallel.global_batch_size, stage.parallel.micro_batch_size
-    step = ReferenceLogpStep()
-    base = first_step * G
-    out = np.zeros((max(steps - first_step, 0) * G, 2), dtype=np.float64)
-    modes = [c.training for c in chunks]
-    for chunk in chunks:
-        chunk.eval()
-    for s in range(first_step, steps):
-        outputs = run_micro_batches(
-            chunks,
-            step,
-            micro_batches(source, s, G, mbs),
-            seq_length=seq_length,
-            micro_batch_size=mbs * step.sequences_per_sample,
-            forward_only=True,
-        )
-        if D.owns_loss():
-            idx = sample_range(s, G, D.dp_rank(), D.dp_size())
-            out[idx.start - base : idx.stop - base] = torch.cat([o["logps"] for o in outputs]).cpu().numpy()
-    for chunk, mode in zip(chunks, modes):
-        chunk.train(mode)
-    return D.all_reduce_sum(out.reshape(-1)).reshape(-1, 2)
-
-
-class WithReference:
-    """A preference source with ``ref_logp`` added from precomputed log-probs of samples [offset, offset+n)."""
-
-    def __init__(self, source: SampleSource, ref_logp: np.ndarray, offset: int) -> None:
-        self.source, self.ref_logp, self.offset = source, ref_logp, offset
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        j = i - self.offset
-        if not 0 <= j < len(self.ref_logp):
-            raise IndexError(
-                f"sample {i}: no reference log-probs (have [{self.offset}, {self.offset + len(self.ref_logp)}))"
-            )
-        return {**self.source[i], "ref_logp": self.ref_logp[j].astype(np.float32)}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.schema import graph
+from pipeline.schema import graph, rl
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.graph import DEFAULT_STAGES, LM_STAGES, STAGES, TRAIN_STAGES
 from pipeline.schema.layout import check_layout
@@ -586,7 +586,7 @@ class TrainStage:
     beta: float = num(0.1, gt=0)
     """Strength of the KL anchor to the frozen reference model (rlhf only): DPO's beta; GRPO's KL penalty coefficient (k3 estimator); PPO's per-token KL penalty in the rewards (k1 estimator)."""
     algorithm: str = "dpo"
-    """rlhf algorithm: dpo (offline, preference pairs), grpo (online: sampling, rewards, group-normalised advantages, clipped policy loss) or ppo (online, with a trained critic: GAE advantages, clipped policy and value losses)."""
+    """rlhf algorithm, one of those declared in pipeline/schema/rl.py (each with the rlhf keys it reads): dpo (offline, preference pairs), grpo (online: sampling, rewards, group-normalised advantages, clipped policy loss), dr_grpo (GRPO without the std division of the advantages and the per-response length normalisation of the loss) or ppo (online, with a trained critic: GAE advantages, clipped policy and value losses)."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """TensorBoard / W&B sinks and alarm thresholds (no effect on results)."""
     peft: PeftConfig = field(default_factory=PeftConfig)
@@ -606,13 +606,13 @@ class TrainStage:
         _choice("algorithm", self.algorithm, RLHF_ALGORITHMS)
 
 
-RLHF_ALGORITHMS = ("dpo", "grpo", "ppo")
+RLHF_ALGORITHMS = rl.NAMES
 REWARDS = ("verifier", "model", "both")
 
 
 @dataclass
 class RLHFStage(TrainStage):
-    """The rlhf stage: the training-stage keys plus the online-RL ones (read when algorithm=grpo or ppo).
+    """The rlhf stage: the training-stage keys plus the online-RL ones (each read by the algorithms that declare it, pipeline/schema/rl.py).
 
     GRPO step: global_batch_size sampled responses = global_batch_size / group_size prompts x group_size
     samples; iters, warmup_iters and the LR schedule count these rollout steps.
@@ -644,7 +644,7 @@ class RLHFStage(TrainStage):
     def __post_init__(self) -> None:
         super().__post_init__()
         _choice("reward", self.reward, REWARDS)
-        if self.algorithm == "dpo":
+        if "group_size" not in rl.algorithm(self.algorithm).keys:
             return
         gbs = self.parallel.global_batch_size
         if gbs % self.group_size:

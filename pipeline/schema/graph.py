@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.schema.errors import ConfigError
+from pipeline.schema.rl import reads_reward_model
 
 Reads = Callable[[Any, tuple[str, ...]], tuple[str, ...]]
 
@@ -48,9 +49,10 @@ class Stage:
 
 
 def _rlhf_reads(cfg: Any, ups: tuple[str, ...]) -> tuple[str, ...]:
-    """rlhf reads the reward model only when its reward comes from it (``rlhf.reward: model | both``)."""
+    """rlhf reads the reward model only when its algorithm reads a reward (pipeline/schema/rl.py) and that
+    reward comes from the model (``rlhf.reward: model | both``)."""
     base = _default_reads("rlhf", cfg, ups)
-    if cfg.rlhf.algorithm != "dpo" and cfg.rlhf.reward in ("model", "both"):
+    if reads_reward_model(cfg.rlhf.algorithm, cfg.rlhf.reward):
         return (*base, "reward_model")
     return base
 

@@ -257,7 +257,10 @@ def _import_project() -> None:
 
     import engine.checkpoint.manager  # noqa: F401
     import engine.models.generate  # noqa: F401
-    import engine.rl.algorithms  # noqa: F401
+    import engine.rl.dpo  # noqa: F401
+    import engine.rl.grpo  # noqa: F401
+    import engine.rl.ppo  # noqa: F401
+    import engine.rl.registry  # noqa: F401
     import engine.run  # noqa: F401
     import engine.train.steps  # noqa: F401
     import pipeline.submit.launch  # noqa: F401

@@ -1,4 +1,4 @@
-"""GRPO and PPO through the command line: a rollout stage killed mid-run resumes bit for bit.
+"""GRPO and PPO through the command line: a rollout stage killed mid-run resumes bit for bit; Dr. GRPO trains.
 
 The SFT model comes from one short data_prep -> pretrain -> sft run (counting up to 9, so sampled answers
 are sometimes right and the rewards vary); each scenario copies it and runs only the rlhf stage with
@@ -190,17 +190,37 @@ def test_grpo_killed_mid_run_resumes_bit_identical(
 # ---------------------------------------------------------------------------- PPO: the policy and a critic
 
 PPO = ("run.stages=[rlhf]", "rlhf.algorithm=ppo", "rlhf.critic_lr=1e-3")
+DR_GRPO = ("run.stages=[rlhf]", "rlhf.algorithm=dr_grpo")
 
 
-def seeded_ppo(sft_root: Path, dest: Path) -> Path:
-    """``seeded``, with the run directory renamed to the PPO config's (the run hash covers rlhf's keys; the
-    completed stages' own hashes are unchanged)."""
+def seeded_ppo(sft_root: Path, dest: Path, overrides: tuple[str, ...] = PPO) -> Path:
+    """``seeded``, with the run directory renamed to the config's of ``overrides`` (the run hash covers rlhf's
+    keys; the completed stages' own hashes are unchanged)."""
     from pipeline.schema.config import load_config, run_dir_for
 
     root = seeded(sft_root, dest)
-    want = run_dir_for(load_config([*BASE, f"run.root={root}", *PPO]))
+    want = run_dir_for(load_config([*BASE, f"run.root={root}", *overrides]))
     run_dir(root).rename(want)
     return root
+
+
+def test_dr_grpo_trains_from_the_same_rollouts_with_its_own_loss(
+    sft_root: Path, baseline: tuple[dict, list[dict]], tmp_path: Path
+) -> None:
+    root = seeded_ppo(sft_root, tmp_path / "dr_grpo", DR_GRPO)
+    r = run(root, *DR_GRPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    train = [m for m in metrics(root) if m["kind"] == "train"]
+    assert [m["step"] for m in train] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "kl", "entropy", "clip_frac", "reward_mean", "response_len"):
+        assert all(key in m and m[key] == m[key] for m in train), key  # present and not NaN
+    grpo_final, grpo_lines = baseline
+    grpo_train = [m for m in grpo_lines if m["kind"] == "train"]
+    # the same starting weights and sampler seed: step 1 draws GRPO's rollout; the updates differ
+    assert train[0]["reward_mean"] == grpo_train[0]["reward_mean"]
+    final = final_tensors(root)
+    weights = [k for k in final if k.startswith("decoder") and k in grpo_final]
+    assert weights and any(not torch.equal(final[k], grpo_final[k]) for k in weights)
 
 
 @pytest.fixture(scope="module")

@@ -140,9 +140,10 @@ def build_trainer(spec: dict[str, Any], model_cfg: Any, par: Any, stage: Any) ->
     docstring for the keys)."""
     from engine.context import MetricsWriter
     from engine.models.gpt import build_model
+    from engine.rl.dpo import DPOStep, WithReference, reference_logps
     from engine.runtime import distributed as D
     from engine.train.steps import make_step
-    from engine.train.trainer import Trainer, WithReference, build_optimizer, reference_logps
+    from engine.train.trainer import Trainer, build_optimizer
     from pipeline.schema.config import PeftConfig
     from tests.support.synthetic import SyntheticPreferenceSource, SyntheticSource
 
@@ -161,7 +162,7 @@ def build_trainer(spec: dict[str, Any], model_cfg: Any, par: Any, stage: Any) ->
         prefs = SyntheticPreferenceSource(n, vocab, seq, seed=1)
         ref = reference_logps(chunks, prefs, first_step=0, steps=stage.iters, stage=stage, seq_length=seq)
         source: Any = WithReference(prefs, ref, 0)
-        step = make_step("dpo", beta=stage.beta)
+        step = DPOStep(beta=stage.beta)
     else:
         source = SyntheticSource(n, vocab, seq, seed=1)
         step = make_step(name)

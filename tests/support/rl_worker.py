@@ -1,5 +1,5 @@
 """Subprocess worker for the data-parallel rollout test: one rank of a tiny policy running GRPO's and PPO's
-rollout (engine.rl.algorithms) with a deterministic per-row reward; every rank's view as JSON (rank 0 writes it).
+rollout (engine.rl.grpo, engine.rl.ppo) with a deterministic per-row reward; every rank's view as JSON (rank 0 writes it).
 
 Run through ``engine_worker.launch(world, spec, tmp, script=THIS)``. SPEC keys: rlhf (RLHFStage overrides,
 ``parallel`` as ParallelConfig overrides), prompts (token-id lists), step, out.
@@ -31,7 +31,9 @@ class CountingReward:
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.models.gpt import build_model
-    from engine.rl.algorithms import GRPOUnit, PPOUnit, PromptStream
+    from engine.rl.grpo import GRPOUnit
+    from engine.rl.ppo import PPOUnit
+    from engine.rl.rollout import PromptStream
     from engine.runtime import distributed as D
     from engine.train.meter import StepMeter
     from engine.train.units import NamedModel, frozen

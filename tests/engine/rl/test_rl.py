@@ -1,4 +1,5 @@
-"""GRPO's pieces against hand-computed values: advantages, the k3 KL estimator, the clipped loss, rollout rows."""
+"""The RL algorithms' pieces against hand-computed values: advantages, the k3 KL estimator, the clipped loss,
+rollout rows (GRPO), GAE and the value loss (PPO), Dr. GRPO's advantages and loss; the algorithm registry."""
 
 from __future__ import annotations
 
@@ -8,15 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.rl.algorithms import (
-    GRPOStep,
-    PromptStream,
-    clipped_policy_loss,
-    group_advantages,
-    kl_k3,
-    rollout_rows,
-    sample_seed,
-)
+from engine.rl.grpo import GRPOStep, group_advantages
+from engine.rl.policy import clipped_policy_loss, kl_k3
+from engine.rl.rollout import PromptStream, rollout_rows, sample_seed
 
 
 def test_group_advantages_by_hand() -> None:
@@ -140,7 +135,7 @@ def test_grpo_config_is_validated(overrides: list[str], message: str) -> None:
 
 
 def test_gae_by_hand() -> None:
-    from engine.rl.algorithms import gae
+    from engine.rl.ppo import gae
 
     rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 5.0]])
     values = torch.tensor([[0.5, 0.6, 0.7], [1.0, 1.0, 9.0]])
@@ -160,7 +155,7 @@ def test_gae_by_hand() -> None:
 
 
 def test_clipped_value_loss_and_value_step_by_hand() -> None:
-    from engine.rl.algorithms import ValueStep, clipped_value_loss
+    from engine.rl.ppo import ValueStep, clipped_value_loss
 
     values = torch.tensor([[1.0, 0.0, 2.0, 0.5]])
     old = torch.tensor([[0.5, 0.5, 1.0, 0.4]])
@@ -184,7 +179,7 @@ def test_clipped_value_loss_and_value_step_by_hand() -> None:
 
 
 def test_token_rewards_and_gae_on_rollout_rows_by_hand() -> None:
-    from engine.rl.algorithms import gae, masked_whiten, token_rewards
+    from engine.rl.ppo import gae, masked_whiten, token_rewards
 
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]])  # responses after 1 and 2 prompt tokens
     logp = torch.tensor([[-9.0, -1.0, -2.0, -9.0], [-9.0, -9.0, -0.5, -9.0]])
@@ -206,7 +201,7 @@ def test_token_rewards_and_gae_on_rollout_rows_by_hand() -> None:
 
 
 def test_ppo_step_loss_by_hand() -> None:
-    from engine.rl.algorithms import PPOStep
+    from engine.rl.ppo import PPOStep
 
     logp = torch.log(torch.tensor([[0.9, 0.5, 0.25]]))
     batch = {
@@ -227,9 +222,75 @@ def test_ppo_config_and_a_wrong_algorithm_lists_the_choices() -> None:
 
     cfg = load_config(["rlhf=ppo"]).rlhf
     assert (cfg.algorithm, cfg.gamma, cfg.lam, cfg.value_clip) == ("ppo", 1.0, 0.95, 0.2)
-    with pytest.raises(ConfigError, match=r"rlhf.algorithm='ppx': must be one of \['dpo', 'grpo', 'ppo'\]"):
+    with pytest.raises(
+        ConfigError, match=r"rlhf.algorithm='ppx': must be one of \['dpo', 'grpo', 'ppo', 'dr_grpo'\]"
+    ):
         load_config(["rlhf.algorithm=ppx"])
     with pytest.raises(ConfigError, match="rlhf.value_clip=0"):
         load_config(["rlhf=ppo", "rlhf.value_clip=0"])
     with pytest.raises(ConfigError, match="rlhf.lam=1.5"):
         load_config(["rlhf=ppo", "rlhf.lam=1.5"])
+
+
+def test_dr_grpo_advantages_by_hand() -> None:
+    from engine.rl.dr_grpo import dr_group_advantages
+
+    # group 1: rewards 1,0,0,1: mean 0.5 -> +-0.5 (GRPO: +-1, over the std 0.5); group 2: 3,1: mean 2 -> +-1
+    adv = dr_group_advantages(np.array([1, 0, 0, 1, 3, 1], dtype=np.float32), 2)
+    np.testing.assert_allclose(adv, [0.5, -0.5, -0.5, 0.5, 1.0, -1.0])
+    assert adv.dtype == np.float32
+    np.testing.assert_allclose(group_advantages(np.array([1.0, 0.0]), 2), [1 / (1 + 2e-6), -1 / (1 + 2e-6)])
+    with pytest.raises(ValueError, match="group_size=4"):
+        dr_group_advantages(np.zeros(6), 4)
+
+
+def test_dr_grpo_step_loss_by_hand_differs_from_grpo() -> None:
+    from engine.rl.dr_grpo import DrGRPOStep
+
+    # two responses: 2 loss tokens and 1 loss token, max_new_tokens 4; advantages +1 and -1
+    logp = torch.log(torch.tensor([[0.9, 0.5, 0.25], [0.9, 0.9, 0.5]]))
+    batch = {
+        "loss_mask": torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 1.0]]),
+        "advantages": torch.tensor([1.0, -1.0]),
+        "ref_logp": torch.log(torch.tensor([[0.9, 0.25, 0.25], [0.9, 0.9, 0.25]])),
+        "old_logp": torch.log(torch.tensor([[0.9, 0.25, 0.25], [0.9, 0.9, 0.25]])),
+    }
+    beta, L = 0.1, 4
+    # per-token terms, from the GRPO test: seq 1: -1.2 + beta * k3, -1.0; seq 2: 2.0 + beta * k3
+    k3_half = 0.5 + math.log(2) - 1
+    terms = [-1.2 + beta * k3_half, -1.0 + 0.0, 2.0 + beta * k3_half]
+    dr_loss, dr_n, dr_rep = DrGRPOStep(beta=beta, clip_eps=0.2, max_new_tokens=L).loss_from_logps(batch, logp)
+    # the trainer divides the loss sum by the count: Dr. GRPO's is rows x max_new_tokens = 2 x 4
+    assert int(dr_n) == 2 * L
+    assert float(dr_loss) / int(dr_n) == pytest.approx(sum(terms) / (2 * L), abs=1e-6)
+    assert dr_rep["loss"].tolist() == pytest.approx([sum(terms), 2 * L], abs=1e-6)
+    assert dr_rep["kl"].tolist() == pytest.approx([2 * k3_half, 3.0], abs=1e-6)  # still a per-token mean
+    g_loss, g_n, _ = GRPOStep(beta=beta, clip_eps=0.2).loss_from_logps(batch, logp)
+    assert int(g_n) == 3 and float(g_loss) / int(g_n) == pytest.approx(sum(terms) / 3, abs=1e-6)
+    assert float(dr_loss) / int(dr_n) != pytest.approx(float(g_loss) / int(g_n))
+    # the gradient: d(loss / count) / d(logp) per token; the same terms, scaled by 1/8 instead of 1/3
+    lp = logp.clone().requires_grad_(True)
+    loss, n, _ = DrGRPOStep(beta=beta, clip_eps=0.2, max_new_tokens=L).loss_from_logps(batch, lp)
+    (loss / n).backward()
+    assert lp.grad is not None
+    lp_g = logp.clone().requires_grad_(True)
+    loss_g, n_g, _ = GRPOStep(beta=beta, clip_eps=0.2).loss_from_logps(batch, lp_g)
+    (loss_g / n_g).backward()
+    assert lp_g.grad is not None
+    torch.testing.assert_close(lp.grad * (2 * L), lp_g.grad * 3)
+
+
+def test_dr_grpo_config_and_every_declared_algorithm_is_registered() -> None:
+    from engine.rl import registry
+    from pipeline.schema import rl
+    from pipeline.schema.config import load_config
+
+    cfg = load_config(["rlhf=dr_grpo"]).rlhf
+    assert (cfg.algorithm, cfg.group_size, cfg.max_new_tokens) == ("dr_grpo", 8, 6)
+    assert load_config(["rlhf=grpo", "rlhf.algorithm=dr_grpo"]).rlhf.algorithm == "dr_grpo"
+    for name in rl.NAMES:
+        algo = registry.get(name)
+        assert algo.name == name
+        assert set(rl.algorithm(name).keys) <= {f for f in vars(cfg)}  # declared keys are RLHFStage fields
+    step = registry.get("dr_grpo").step(cfg)
+    assert (step.name, step.max_new_tokens, step.beta) == ("dr_grpo", 6, cfg.beta)

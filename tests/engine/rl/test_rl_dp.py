@@ -1,4 +1,4 @@
-"""Rollouts split over data-parallel ranks (engine.rl.algorithms): with dp=2 each rank generates and rewards only
+"""Rollouts split over data-parallel ranks (engine.rl.grpo, engine.rl.ppo): with dp=2 each rank generates and rewards only
 the rows it trains on, and the group advantages and reward metrics are those of the whole batch."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ PROMPTS = [[10 + i, 20 + (i * 7) % 30, 5 + i % 3][: 2 + i % 2] for i in range(7)
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_dp2_ranks_generate_their_share_and_group_stats_cover_the_batch(tmp_path: Path) -> None:
-    from engine.rl.algorithms import PromptStream, group_advantages
+    from engine.rl.grpo import group_advantages
+    from engine.rl.rollout import PromptStream
 
     step = 3
     spec = {

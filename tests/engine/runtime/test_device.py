@@ -34,7 +34,8 @@ SCRIPT = textwrap.dedent(
     from engine.models.gpt import build_model, unwrap
     from engine.train.steps import make_step
     from tests.support.synthetic import SyntheticPreferenceSource, SyntheticSource
-    from engine.train.trainer import Trainer, WithReference, build_optimizer, reference_logps
+    from engine.rl.dpo import DPOStep, WithReference, reference_logps
+    from engine.train.trainer import Trainer, build_optimizer
 
     D.init(1, 1, seed=1, threads=1)
     seq, vocab = 16, 64
@@ -97,7 +98,7 @@ SCRIPT = textwrap.dedent(
     out = {
         "pretrain_step": landed(lambda: train(make_step("pretrain"), text).train_step(0)),
         "sft_step": landed(lambda: train(make_step("sft"), text).train_step(0)),
-        "dpo_step": landed(lambda: train(make_step("dpo"), with_ref).train_step(0)),
+        "dpo_step": landed(lambda: train(DPOStep(), with_ref).train_step(0)),
         "validation": landed(lambda: train(make_step("pretrain"), text).evaluate()),
         "dpo_reference": landed(lambda: reference_logps(chunks, prefs, first_step=0, steps=1, stage=stage,
                                                         seq_length=seq)),
