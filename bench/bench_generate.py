@@ -8,7 +8,7 @@ thread count; greedy decoding, so both paths must produce the same tokens (check
 
 Against ``transformers`` ``generate`` (CPU, ``--no-hf`` skips it): the model is Llama-shaped (RMSNorm, SwiGLU,
 RoPE, no biases), saved as a checkpoint and exported with the project's exporter
-(``engine.convert.export.export``, which checks its logits against megatron's); transformers then
+(``engine.convert.hf_export.export``, which checks its logits against megatron's); transformers then
 generates greedily from the same left-padded prompts with its KV cache, in a fresh process with the same
 thread count, exactly ``--new`` tokens each. Prints its tokens/s, the ratio engine (KV cache) / transformers,
 and the share of prompts whose greedy tokens are identical in both.
@@ -137,7 +137,7 @@ def hf_generate(state: list[dict[str, Any]], prompts: list[list[int]], args: Any
 
     from engine.checkpoint.latest import find_latest
     from engine.checkpoint.save import save
-    from engine.convert.export import export
+    from engine.convert.hf_export import export
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
     from pipeline.schema.config import ModelConfig, ParallelConfig

@@ -7,7 +7,7 @@
    their own TP/PP slices from the shards. Per rank: its own shard (bytes of its parameters) and the extra
    peak RSS during the load (VmHWM after ``clear_refs`` minus the RSS before it), as ratios to its shard and
    to the whole model. The imported weights are saved as a dist checkpoint (under that layout).
-3. Export: ``engine.convert.export``'s streamed writer (one tensor at a time from the checkpoint,
+3. Export: ``engine.convert.hf_export``'s streamed writer (one tensor at a time from the checkpoint,
    shards of ``--shard-mb``) against a baseline in the same script that gathers the whole model first
    (a TP=1 megatron model loading the checkpoint, as the export did before streaming). Extra peak RSS of
    each, as a ratio to the model size. (The export's logit check runs in separate processes, not counted.)
@@ -83,7 +83,7 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
     model = model_config(hf, seq_length=32)
     ckpt = find_latest(Path(spec["ckpt"]), collective=False)
     if spec["mode"] == "streamed":
-        from engine.convert.export import (
+        from engine.convert.hf_export import (
             checkpoint_tensors,
             iter_checkpoint_tensors,
             padded_vocab,
@@ -98,7 +98,7 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
         write_shards(stream, Path(spec["out"]), spec["shard_bytes"])
     else:  # baseline: the whole model gathered into one TP=1 megatron model, then written
         from engine.checkpoint.load import load_weights
-        from engine.convert.export import write_shards
+        from engine.convert.hf_export import write_shards
         from engine.models.gpt import build_model, unwrap
         from engine.models.hf_weights import full_state_dict, to_hf_tensors
         from engine.runtime import distributed as D

@@ -141,7 +141,7 @@ def _eval_reward_model(
 ) -> dict[str, Any] | None:
     """The reward model's accuracy on the held-out pairs (r(chosen) > r(rejected)), when eval reads it."""
     from engine.checkpoint.latest import find_latest
-    from engine.rl.reward_model import RewardModel
+    from engine.rl.frozen_reward import RewardModel
     from pipeline.schema.graph import required
 
     if "reward_model" not in required("eval", cfg):

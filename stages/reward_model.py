@@ -4,7 +4,7 @@ Starts from the SFT model (``reward_model.init_from: auto``; the head, which SFT
 global name), trains on the same pairs DPO uses (users' ``data.pref_paths`` when given, else the generated
 ``pref_train.jsonl``) with ``engine.train.steps.RewardStep``, and validates on the held-out ``eval_pref.jsonl``
 (``valid`` lines: loss and accuracy). Metrics per step: loss, accuracy, margin (r(chosen) - r(rejected)).
-The final checkpoint is what ``engine.rl.reward_model.RewardModel`` loads for RL and eval scores.
+The final checkpoint is what ``engine.rl.frozen_reward.RewardModel`` loads for RL and eval scores.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def task_prompts(d: Path) -> tuple[list[str], list[str]]:
 
 def _reward_model(cfg: PipelineConfig, ctx: StageContext, env: Any) -> Any:
     """The reward_model stage's final checkpoint, frozen, in this stage's layout (``rlhf.reward=model|both``)."""
-    from engine.rl.reward_model import RewardModel
+    from engine.rl.frozen_reward import RewardModel
 
     if "reward_model" not in ctx.inputs:
         raise ValueError(f"rlhf.reward={cfg.rlhf.reward}: needs the reward_model stage's outputs")

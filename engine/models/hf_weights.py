@@ -216,7 +216,7 @@ def to_hf_tensors(
     state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], model: ModelConfig, padded_vocab: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) for each full TP=1/PP=1 megatron tensor of ``state`` (a state dict or a
-    stream of (global megatron name, tensor) pairs, e.g. convert.export.iter_checkpoint_tensors), in order."""
+    stream of (global megatron name, tensor) pairs, e.g. convert.hf_export.iter_checkpoint_tensors), in order."""
     s = Shapes.of(model, padded_vocab)
     for name, tensor in state.items() if isinstance(state, dict) else state:
         if name.endswith("_extra_state") or tensor is None:

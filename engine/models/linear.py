@@ -14,7 +14,7 @@ step on CPU.
 
 The GPT model's output layer (logits; built by megatron's GPTModel itself, no spec reaches it) gets the same
 path (``use_for_output``): with tied embeddings ``F.linear(x, embedding weight)``, autograd's C++ backward, no
-region copy. Measured the same way: +0.6-1.0% per training step (three in-process A/B runs, 2 threads).
+region copy.
 
 Parameters, checkpoint keys, tensor-parallel attributes and every other path are megatron's: the subclasses
 override ``_forward_impl`` (the hook megatron itself uses to pick its frozen-weight variant) and, for the

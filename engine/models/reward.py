@@ -1,4 +1,4 @@
-"""The reward model: the GPT plus a scalar head (its frozen use as an RL reward: engine.rl.reward_model).
+"""The reward model: the GPT plus a scalar head (its frozen use as an RL reward: engine.rl.frozen_reward).
 
 Head: ``reward_head`` = ``Linear(hidden_size, 1)`` on the last pipeline stage's GPTModel, applied to the final
 hidden state (after the final norm: the input of the output layer) at each sequence's last token. Without

@@ -241,7 +241,7 @@ def critic_model(env: Any) -> NamedModel:
     import dataclasses
 
     from engine.models.reward import build
-    from engine.rl.reward_model import load_backbone
+    from engine.rl.frozen_reward import load_backbone
     from engine.train.trainer import build_optimizer
 
     st = env.stage

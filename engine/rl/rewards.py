@@ -8,7 +8,7 @@ call it with the same ones and must get the same values (deterministic, no per-r
 Sources (``rlhf.reward``; ``make_reward``):
 - ``verifier``: the task checker (the stage passes ``stages.tasks.is_correct`` and each prompt's right
   answer; the engine never imports the task): 1.0 for the right answer, else 0.0.
-- ``model``: the trained reward model, frozen (``engine.rl.reward_model.RewardModel``, the reward_model
+- ``model``: the trained reward model, frozen (``engine.rl.frozen_reward.RewardModel``, the reward_model
   stage's final checkpoint): its scalar score.
 - ``both``: verifier + model (``SumReward``).
 """

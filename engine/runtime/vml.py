@@ -4,10 +4,8 @@ PyTorch's CPU wheels route contiguous float unary ops (``exp``, ``log``, ``tanh`
 to MKL's vector math library (VML), each intra-op thread calling it on its own chunk. oneMKL 2024.2 (the
 build inside torch 2.13's wheels) resolves each VML function's kernel on that function's first call; when
 that first call runs on several threads at once, one thread can run a low-accuracy kernel for its whole
-chunk of that one call (pytorch/pytorch#188792). Measured here: the first ``torch.exp`` of a fresh
-process, after other multi-threaded work, came back different in about one run in five (half the elements,
-up to 8e-5 off); the call after it was right. In the pipeline that was the first cross entropy of an RL
-stage (the reference's log-probs), so two identical runs, or a run and its resume, drifted apart.
+chunk of that one call (pytorch/pytorch#188792), so two identical runs, or a run and its resume, could
+drift apart (docs/fault-tolerance.md, "Exact resume on CPU", has the measurements).
 
 ``warm()`` calls every VML-backed unary op once on a tensor below ATen's parallel grain (2,048 elements),
 so on one thread, for float32 and float64: the dispatch is resolved before the first parallel call.

@@ -13,7 +13,7 @@ Exit code 2: bad arguments (no such run, stage or checkpoint; a model without a 
 A LoRA stage (``<stage>.peft.method=lora``) exports ``--merged`` (default: the adapters folded into the base
 weights, then the same files and check) or ``--peft``: a PEFT adapter directory (adapter_config.json,
 adapter_model.safetensors) that ``peft`` loads onto the base model, checked the same way
-(engine/convert/lora_export.py).
+(engine/convert/peft_export.py).
 """
 
 from __future__ import annotations
@@ -96,12 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from engine.convert.export import TOLERANCE, ExportError, export
+    from engine.convert.hf_export import TOLERANCE, ExportError, export
     from pipeline.schema.hf_arch import HFConfigError
 
     run_export: Callable[..., dict[str, Any]] = export
     if args.peft:
-        from engine.convert.lora_export import export_peft
+        from engine.convert.peft_export import export_peft
 
         run_export = export_peft
     try:

@@ -61,7 +61,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.checkpoint.save import save
     from engine.models.gpt import build_model
     from engine.models.reward import HEAD, build
-    from engine.rl.reward_model import RewardModel
+    from engine.rl.frozen_reward import RewardModel
     from engine.runtime import distributed as D
     from engine.train.steps import make_step
     from engine.train.trainer import Trainer, build_optimizer

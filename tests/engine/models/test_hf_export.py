@@ -20,7 +20,7 @@ EXPORT = """
 import json, sys
 from pathlib import Path
 from engine.checkpoint.latest import find_latest
-from engine.convert.export import export
+from engine.convert.hf_export import export
 from pipeline.schema.hf_arch import model_config
 hf, root, out, tol = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4])
 m = export(model_config(hf, seq_length=32), find_latest(root, collective=False), out, hf, tolerance=tol,

@@ -186,8 +186,8 @@ EXPORT_BOTH = """
 import json, sys
 from pathlib import Path
 from engine.checkpoint.latest import find_latest
-from engine.convert.export import export
-from engine.convert.lora_export import export_peft
+from engine.convert.hf_export import export
+from engine.convert.peft_export import export_peft
 from pipeline.schema.hf_arch import model_config
 hf, root, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 model, ckpt = model_config(hf, seq_length=32), find_latest(root, collective=False)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from engine.convert.export import (
+from engine.convert.hf_export import (
     TOLERANCE,
     ExportError,
     _batch,
