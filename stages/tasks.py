@@ -4,18 +4,7 @@
 uniformly from ``[0, max_operand]``. The prompt is ``"What is 23 + 45?"`` and the answer is the plain
 decimal ``"68"``; the tokenizer splits digits one per token, so the model writes answers digit by digit.
 
-Difficulty, measured (a plain-PyTorch GPT of the default shape: 4 layers, width 128, vocabulary 4096,
-seq 128; 300 pretraining steps at lr 2e-3 and 150 SFT steps at lr 1e-3, batch 16, cosine schedules; greedy
-exact match on the held-out prompts; CPU):
-
-- ``max_operand=99`` (the config default): 2% (SFT loss plateaus near 1.6 per response token).
-- ``max_operand=9``: 8% held out (16% on training prompts); the same with SFT rows packed with
-  ~10 examples each: 8% (20% on training prompts); SFT lr 3e-3: 5%. Four times as many arithmetic
-  tokens in pretraining (task_mix_fraction 0.2) gave 3% in plain text right after pretraining.
-
-So at the default budget the model has not yet learned the operation (the per-token loss stays near 1.1
-on single digits): the >= 30% target needs a larger training budget or an easier task, not different
-data here. The task code works for any ``max_operand``; small operands are the easiest setting.
+How hard each setting is for the default model: docs/demo.md. The task code works for any ``max_operand``.
 
 Held-out prompts (``eval_task.jsonl``, ``eval_pref.jsonl``) never appear in any training file: they
 are drawn first, and every training problem is drawn from the rest of the problem space.

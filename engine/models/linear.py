@@ -8,9 +8,7 @@ gradient accumulation into ``main_grad``, no deferred embedding wgrad - ``F.line
 and autograd's C++ backward. On one tensor-parallel rank ``forward`` itself is ``F.linear(x, W, b), None``
 (no identity region-copy autograd function before the qkv and fc1 GEMMs); a ``skip_bias_add`` linear (MLP
 fc1, attention proj, MLP fc2) then adds its bias inside the GEMM too and returns None as its bias, and
-megatron's MLP and bias-dropout-add skip their own ``+ bias``. Measured at the 4.4x shape of bench/bench_attention.py
-(torch.profiler, one thread): the separate bias adds and the Python autograd function were ~2% of a training
-step on CPU.
+megatron's MLP and bias-dropout-add skip their own ``+ bias`` (what it saves: docs/benchmarks.md).
 
 The GPT model's output layer (logits; built by megatron's GPTModel itself, no spec reaches it) gets the same
 path (``use_for_output``): with tied embeddings ``F.linear(x, embedding weight)``, autograd's C++ backward, no

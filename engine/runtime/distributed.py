@@ -172,17 +172,13 @@ def share_the_default_group(*, world_timeout: timedelta) -> Iterator[None]:
     ``initialize_model_parallel`` asks for about 20 groups (data, tensor, pipeline, embedding, expert,
     ``*_GLOO`` copies, ...). Each gloo group owns a transport device whose event-loop thread wakes every
     10 ms: on one rank, where all 20 are ``[0]``, that is 2,000 wake-ups a second preempting the compute
-    threads (about 700 context switches per training step). Measured in one process, steps alternating
-    with and without 20 such idle groups (bench/bench_attention.py's shapes, one rank, 2 threads): they
-    cost 3.0-3.2% of the step time at the 4.4x shape, 1.6% at the demo's. Here a group of every rank with
+    threads (docs/benchmarks.md has what that costs). Here a group of every rank with
     the default group's timeout (``world_timeout``) is the default group itself (one rank: one event loop in
     all). Safe for collectives: every rank asks for the same groups in the same order, and the default group
     runs its operations in the order each rank issues them, as separate groups of the same ranks would.
 
-    Only the default group is shared. Sharing every group of the same ranks (size-1 groups with each other,
-    the tensor-parallel group with the model-parallel one, ...) was tried: with 2 ranks, 1 run in 10 then
-    aborted at interpreter exit (``terminate called without an active exception``: a gloo worker thread
-    freeing a finished all-reduce while Python finalized). On more than one rank the ``*_GLOO`` groups (which
+    Only the default group is shared: sharing every group of the same ranks crashed at interpreter exit (a gloo
+    worker thread freeing a finished all-reduce while Python finalized). On more than one rank the ``*_GLOO`` groups (which
     megatron destroys itself) keep their own group. Calls with options or local synchronization are passed
     through; NCCL groups are never touched (separate communicators and streams are what GPU overlap uses).
     """

@@ -3,13 +3,10 @@
 glibc's malloc gives the top of its heap back to the kernel once more of it is free than its trim
 threshold, a threshold that adapts (to twice the largest block it ever unmapped, at most 64 MiB). A
 training step frees and allocates the same activations every step, so a step can give back tens of MiB
-of heap and fault them in again the next: bench/bench_host_memory.py counts 4,000 to 20,000 minor page
-faults per step at bench/bench_attention.py's 4.4x shape in most processes with glibc's defaults, for the
-engine and for nanoGPT alike, none with the memory kept (each fault costs ~2 us here, and a stalled thread
-holds its OpenMP peers at the next barrier). ``keep_freed_memory`` fixes the trim threshold at
+of heap and fault them in again the next (a stalled thread holds its OpenMP peers at the next barrier;
+bench/bench_host_memory.py counts the faults, docs/benchmarks.md has the figures). ``keep_freed_memory`` fixes the trim threshold at
 ``TRIM_BYTES`` and the mmap threshold at ``MMAP_BYTES``: after the first steps the heap holds the step's
-peak and every step reuses it (resident memory stays at that peak, which each step reaches again anyway:
-the same maximum RSS measured both ways).
+peak and every step reuses it (resident memory stays at that peak, which each step reaches again anyway).
 
 Only with glibc, and only when the environment does not choose already (``MALLOC_TRIM_THRESHOLD_``,
 ``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES`` with a ``glibc.malloc`` tunable, or a preloaded allocator
@@ -29,8 +26,7 @@ TRIM_BYTES = 1 << 30
 """Free memory at the top of the heap up to 1 GiB is kept (glibc's adaptive threshold stops at 64 MiB)."""
 MMAP_BYTES = 32 << 20
 """Blocks below 32 MiB come from the heap (where glibc's adaptive threshold ends; it starts at 128 KiB).
-Larger blocks stay mappings of their own: a higher fixed threshold was measured to fragment the heap (64
-MiB aligned blocks freed and asked for again grew the heap to 2x the live blocks before it settled)."""
+Larger blocks stay mappings of their own: a higher fixed threshold fragments the heap."""
 
 _CHOSEN_BY_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
 
