@@ -1,5 +1,5 @@
 """Only one build step is not declarative (everything else is in pyproject.toml): the wheel ships the
-top-level ``conf/`` YAML as ``pipeline/conf`` (package data), where ``pipeline.schema.config.CONF_DIR`` finds it."""
+top-level ``conf/`` YAML as ``pipeline/conf`` (package data), where ``pipeline.schema.compose.CONF_DIR`` finds it."""
 
 import shutil
 from pathlib import Path

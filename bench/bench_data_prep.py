@@ -30,7 +30,7 @@ WORDS = "the king queen sword crown night day love war peace river stone fire wi
 PREP = """
 import json, os, resource, sys, time
 from pathlib import Path
-from pipeline.schema.config import from_dict
+from pipeline.schema.build import from_dict
 from stages import data_prep
 from engine.context import StageContext
 cfg = from_dict(json.loads(sys.argv[1])); out = Path(sys.argv[2])
@@ -129,7 +129,8 @@ def main() -> int:
         help="one 2-rank run: peak RSS per rank against the corpus size (no scaling, no baseline)",
     )
     args = ap.parse_args()
-    from pipeline.schema.config import DataConfig, DataSource, PipelineConfig
+    from pipeline.schema.config import DataConfig, PipelineConfig
+    from pipeline.schema.sections import DataSource
     from stages import data_prep
 
     with tempfile.TemporaryDirectory() as tmp_s:

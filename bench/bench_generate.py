@@ -78,7 +78,8 @@ def main() -> None:
     from engine.models.generate import SamplingParams, generate
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
-    from pipeline.schema.config import ModelConfig, ParallelConfig
+    from pipeline.schema.config import ModelConfig
+    from pipeline.schema.sections import ParallelConfig
 
     D.init(1, 1, seed=1, threads=args.threads)
     try:
@@ -140,7 +141,8 @@ def hf_generate(state: list[dict[str, Any]], prompts: list[list[int]], args: Any
     from engine.convert.hf_export import export
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
-    from pipeline.schema.config import ModelConfig, ParallelConfig
+    from pipeline.schema.config import ModelConfig
+    from pipeline.schema.sections import ParallelConfig
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

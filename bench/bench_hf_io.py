@@ -54,8 +54,8 @@ def worker_import(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.models.gpt import build_model
     from engine.models.hf_weights import load_hf
     from engine.runtime import distributed as D
-    from pipeline.schema.config import ParallelConfig
     from pipeline.schema.hf_arch import model_config
+    from pipeline.schema.sections import ParallelConfig
 
     hf = Path(spec["hf_dir"])
     model = model_config(hf, seq_length=32)
@@ -102,7 +102,7 @@ def worker_export(spec: dict[str, Any]) -> dict[str, Any]:
         from engine.models.gpt import build_model, unwrap
         from engine.models.hf_weights import full_state_dict, to_hf_tensors
         from engine.runtime import distributed as D
-        from pipeline.schema.config import ParallelConfig
+        from pipeline.schema.sections import ParallelConfig
 
         D.init(1, 1, None, seed=0, threads=1)
         try:

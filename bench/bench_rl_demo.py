@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_dir(overrides: list[str]) -> Path:
     from pipeline.cli.compose import load_trials
-    from pipeline.schema.config import run_dir_for
+    from pipeline.schema.identity import run_dir_for
 
     return run_dir_for(load_trials(overrides, False)[0][1])
 

@@ -171,7 +171,8 @@ def engine_trainer(spec: dict[str, Any]) -> Any:
     from engine.runtime import distributed as D
     from engine.train.steps import make_step
     from engine.train.trainer import Trainer, build_optimizer
-    from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
+    from pipeline.schema.config import ModelConfig, TrainStage
+    from pipeline.schema.sections import ParallelConfig
     from tests.support.synthetic import SyntheticSource
 
     model = ModelConfig(**spec["model"])

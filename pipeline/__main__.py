@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from pipeline.cli.compose import EXIT_FAILED, EXIT_SUBMIT, HYDRA_FLAGS, help_text, load_trials, report
-from pipeline.schema.config import ConfigError
+from pipeline.schema.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +63,7 @@ def _configure_logging(overrides: list[str]) -> None:
     """Python logging as Hydra's job_logging config says (conf/config.yaml: stdout)."""
     from hydra.core.utils import configure_log
 
-    from pipeline.schema.config import compose
+    from pipeline.schema.compose import compose
 
     cfg = compose(overrides, return_hydra_config=True)
     configure_log(cfg.hydra.job_logging, cfg.hydra.verbose)
@@ -75,7 +75,8 @@ def _hydra_main(args: list[str]) -> int:
     from omegaconf import DictConfig
 
     from pipeline.schema import hf_model
-    from pipeline.schema.config import CONF_DIR, build_config, register_configs
+    from pipeline.schema.build import build_config
+    from pipeline.schema.compose import CONF_DIR, register_configs
     from pipeline.submit.preflight import preflight
 
     codes: list[int] = []

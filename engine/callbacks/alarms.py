@@ -3,7 +3,7 @@
 Each firing writes ``{"kind": "alarm", "alarm", "step", "message", "value", "threshold"}`` to the stage's
 metrics.jsonl and a warning to the log; ``pipeline.submit.launch`` copies the alarm lines into the run's
 events.jsonl when the stage's job ends and ``python -m pipeline.status`` lists them while it runs.
-Thresholds: ``<stage>.monitor.alarm_*`` (pipeline.schema.config.MonitorConfig).
+Thresholds: ``<stage>.monitor.alarm_*`` (pipeline.schema.stage_sections.MonitorConfig).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.train.callback import Callback, StepView
-from pipeline.schema.config import MonitorConfig
+from pipeline.schema.stage_sections import MonitorConfig
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ from engine.callbacks import mlflow, tensorboard, wandb
 from engine.callbacks.alarms import Alarms
 from engine.context import MetricsWriter, StageContext
 from engine.train.callback import Callback, Callbacks, StageInfo
-from pipeline.schema.config import MonitorConfig, PipelineConfig, TrainStage
+from pipeline.schema.config import PipelineConfig, TrainStage
+from pipeline.schema.stage_sections import MonitorConfig
 
 SinkFactory = Callable[[MonitorConfig, StageInfo], Callback]
 """Builds a sink from the stage's monitor section and what the stage is (its name, dirs, resolved config)."""
@@ -24,7 +25,7 @@ SINKS: dict[str, SinkFactory] = {
     "wandb": wandb.sink,
     "mlflow": mlflow.sink,
 }
-"""Sink name -> factory; the keys equal pipeline.schema.config.SINK_NAMES (tests/test_observe.py checks)."""
+"""Sink name -> factory; the keys equal pipeline.schema.stage_sections.SINK_NAMES (tests/test_observe.py checks)."""
 
 
 def stage_callbacks(

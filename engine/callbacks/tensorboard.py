@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.train.callback import Callback, StageInfo, StepView
-from pipeline.schema.config import MonitorConfig
+from pipeline.schema.stage_sections import MonitorConfig
 
 SKIP = {"kind", "step", "iters", "time"}
 

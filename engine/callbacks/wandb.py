@@ -17,7 +17,7 @@ from typing import Any
 from engine.callbacks.tensorboard import scalars
 from engine.train.callback import Callback, StageInfo, StepView
 from pipeline.records.files import atomic_write_text
-from pipeline.schema.config import MonitorConfig
+from pipeline.schema.stage_sections import MonitorConfig
 
 
 def mode() -> str:

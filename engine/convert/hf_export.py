@@ -406,7 +406,7 @@ def commit_checked(
 _MEGATRON_LOGITS = """
 import dataclasses, json, sys, torch
 from pathlib import Path
-from pipeline.schema.config import ModelConfig, ParallelConfig
+from pipeline.schema.sections import ModelConfig, ParallelConfig
 from engine.runtime import distributed as D
 from engine.checkpoint.load import load_weights
 from engine.models.gpt import build_model, unwrap

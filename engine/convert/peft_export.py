@@ -37,7 +37,8 @@ from engine.convert.hf_export import (
     export,
     fresh_logits,
 )
-from pipeline.schema.config import ModelConfig, ParallelConfig
+from pipeline.schema.config import ModelConfig
+from pipeline.schema.sections import ParallelConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -1,6 +1,6 @@
 """Users' pretraining corpora: formats read as streams, cut into units of work, cleaned, split, blended.
 
-A source (``pipeline.schema.config.DataSource``) is files of one format; each file is cut into *units* that do
+A source (``pipeline.schema.sections.DataSource``) is files of one format; each file is cut into *units* that do
 not depend on the number of ranks, so any rank count writes the same shards and the merge the same bytes.
 The formats (``engine.data.formats``, a registry: name -> detection, unit splitter, record reader):
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from engine.models.init_weights import init_by_global_name
 from engine.runtime import distributed as D
-from pipeline.schema.config import ModelConfig, ParallelConfig
+from pipeline.schema.config import ModelConfig
+from pipeline.schema.sections import ParallelConfig
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -32,7 +32,8 @@ from engine.train.meter import StepMeter
 from engine.train.steps import Batch
 from engine.train.units import TrainUnit, micro_batches, run_micro_batches
 from pipeline.records.files import atomic_write_text
-from pipeline.schema.config import ParallelConfig, TrainStage
+from pipeline.schema.config import TrainStage
+from pipeline.schema.sections import ParallelConfig
 
 __all__ = ["micro_batches", "run_micro_batches"]  # defined in engine.train.units, used here and by callers
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from pipeline.records.ledger import ACTIVE, CANCELLED, Ledger
-from pipeline.schema.config import STAGES
+from pipeline.schema.graph import STAGES
 
 
 def cancel_run(run_dir: Path) -> list[str]:

@@ -1,6 +1,6 @@
 """The front door shared by ``python -m pipeline`` and its companion commands.
 
-One Hydra compose path (``pipeline.schema.config.compose``), one error shape for every configuration mistake
+One Hydra compose path (``pipeline.schema.compose.compose``), one error shape for every configuration mistake
 whatever catches it (our validation, Hydra's override grammar, OmegaConf's type checks, an unknown key or
 group option, a missing value, an input file the pre-flight rejects)::
 
@@ -20,7 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.schema import hf_model
-from pipeline.schema.config import CONF_DIR, ConfigError, PipelineConfig, build_config, compose, domain_of
+from pipeline.schema.build import build_config
+from pipeline.schema.compose import CONF_DIR, compose
+from pipeline.schema.config import PipelineConfig
+from pipeline.schema.domains import domain_of
+from pipeline.schema.errors import ConfigError
 from pipeline.submit.preflight import preflight
 
 EXIT_OK = 0

@@ -7,7 +7,11 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from pipeline.schema import config, graph
+from pipeline.schema import config, graph, sections, stage_sections
+from pipeline.schema.domains import domain_of
+
+SCHEMA_MODULES = (sections, stage_sections, config)
+"""The modules that define config sections (their field docstrings are read from the source)."""
 
 SECTIONS = (
     ("run", "RunConfig"),
@@ -28,8 +32,15 @@ SECTIONS = (
 
 
 def field_docs() -> dict[str, list[tuple[str, str, str, str]]]:
-    """Per dataclass: (field, type, default, docstring) in source order."""
-    tree = ast.parse(Path(config.__file__).read_text())
+    """Per dataclass of SCHEMA_MODULES: (field, type, default, docstring) in source order."""
+    out: dict[str, list[tuple[str, str, str, str]]] = {}
+    for module in SCHEMA_MODULES:
+        out |= _module_field_docs(ast.parse(Path(str(module.__file__)).read_text()))
+    return out
+
+
+def _module_field_docs(tree: ast.Module) -> dict[str, list[tuple[str, str, str, str]]]:
+    """(field, type, default, docstring) of each dataclass defined at the top of one module."""
     out: dict[str, list[tuple[str, str, str, str]]] = {}
     for node in tree.body:
         if not isinstance(node, ast.ClassDef):
@@ -59,6 +70,7 @@ def field_docs() -> dict[str, list[tuple[str, str, str, str]]]:
 
 def render() -> str:
     docs = field_docs()
+    classes = {name: getattr(m, name) for m in SCHEMA_MODULES for name in vars(m) if name in docs}
     lines = [
         "# Configuration reference",
         "",
@@ -70,7 +82,7 @@ def render() -> str:
         "",
     ]
     for prefix, cls in SECTIONS:
-        domains = {f.name: config.domain_of(f) for f in dataclasses.fields(getattr(config, cls))}
+        domains = {f.name: domain_of(f) for f in dataclasses.fields(classes[cls])}
         lines += [
             f"## `{prefix}` ({cls})",
             "",

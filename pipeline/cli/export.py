@@ -26,7 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.records.ledger import COMPLETED, Ledger
-from pipeline.schema.config import LM_STAGES, ConfigError, PipelineConfig, from_dict
+from pipeline.schema.build import from_dict
+from pipeline.schema.config import PipelineConfig
+from pipeline.schema.errors import ConfigError
+from pipeline.schema.graph import LM_STAGES
 
 
 def run_config(run_dir: Path) -> PipelineConfig:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import sys
 
 from pipeline.cli.compose import load, report
-from pipeline.schema.config import CONF_DIR as CONF_DIR  # re-exported (tests, the docs)
-from pipeline.schema.config import TRAIN_STAGES, ConfigError, PipelineConfig
+from pipeline.schema.compose import CONF_DIR as CONF_DIR  # re-exported (tests, the docs)
+from pipeline.schema.config import PipelineConfig
+from pipeline.schema.errors import ConfigError
 from pipeline.schema.estimates import (
     BYTES_PER_PARAM,
     RECOMPUTE_MODES,
@@ -29,6 +30,7 @@ from pipeline.schema.estimates import (
     estimate_stage,
     param_count,
 )
+from pipeline.schema.graph import TRAIN_STAGES
 
 _LABEL = 40
 _COLUMN = 16

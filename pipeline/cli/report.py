@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not a.path.is_dir() or not (is_run_dir(a.path) or trials(a.path)):
         from pipeline.cli.compose import report
-        from pipeline.schema.config import ConfigError
+        from pipeline.schema.errors import ConfigError
 
         msg = f"path={str(a.path)!r}: not a run directory (no ledger/ inside) nor a folder of run directories"
         return report(ConfigError(msg))

@@ -18,7 +18,7 @@ from typing import Any
 from pipeline.records.alarms import read_alarms
 from pipeline.records.ledger import Ledger, read_metrics
 from pipeline.reporting.svg import PALETTE, Series, line_chart
-from pipeline.schema.config import STAGES, TRAIN_STAGES
+from pipeline.schema.graph import STAGES, TRAIN_STAGES
 
 CURVES = (
     ("loss", "loss"),

@@ -13,8 +13,7 @@ from typing import Any
 
 from pipeline.records.alarms import format_alarm, read_alarms
 from pipeline.records.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, Ledger, StageRecord, accounting
-from pipeline.schema.config import STAGES
-from pipeline.schema.graph import upstream
+from pipeline.schema.graph import STAGES, upstream
 from pipeline.slurm.queries import job_state
 
 BLOCKED = "blocked"

@@ -5,7 +5,7 @@
   fast pre-check: the digest of an unchanged file comes from ``<run.root>/.data/fingerprints.json``
   (written once a data_prep job is submitted; planning and rejected submissions write nothing) or from this
   process's memo, so the job's ranks do not read the files again.
-- ``pipeline.schema.config.stage_hashes`` puts :func:`inputs_digest` into data_prep's hash: editing a file in
+- ``pipeline.schema.identity.stage_hashes`` puts :func:`inputs_digest` into data_prep's hash: editing a file in
   place changes data_prep's hash, so the same command reruns data_prep and everything downstream (in the
   same run directory: the run directory's name covers the config only).
 - Prepared data is content-addressed: ``run_dir/stages/data_prep`` is a link to

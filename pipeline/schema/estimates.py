@@ -28,15 +28,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.schema.config import (
-    TRAIN_STAGES,
-    ConfigError,
-    ModelConfig,
-    ParallelConfig,
-    PipelineConfig,
-    TrainStage,
-)
+from pipeline.schema.config import ModelConfig, PipelineConfig, TrainStage
+from pipeline.schema.errors import ConfigError
+from pipeline.schema.graph import TRAIN_STAGES
 from pipeline.schema.layout import ParallelPlan, check_layout
+from pipeline.schema.sections import ParallelConfig
 
 GiB = 2**30
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")

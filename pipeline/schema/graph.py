@@ -36,7 +36,7 @@ class Stage:
     optional: bool = False
     """Opt-in: runs only when named in ``run.stages`` (never in the default selection)."""
     section: str = "TrainStage"
-    """The dataclass of its config section ``cfg.<name>`` (pipeline.schema.config)."""
+    """The dataclass of its config section ``cfg.<name>`` (pipeline.schema.stage_sections)."""
     reads: Reads | None = None
     """``reads(cfg, upstream) -> the upstream stages it reads under cfg`` (default: the non-optional ones,
     minus the weights' source when ``init_from`` is not ``auto``)."""

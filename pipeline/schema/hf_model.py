@@ -21,7 +21,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.schema.config import CONF_DIR, TRAIN_STAGES, ConfigError, ModelConfig, PipelineConfig
+from pipeline.schema.compose import CONF_DIR
+from pipeline.schema.config import ModelConfig, PipelineConfig
+from pipeline.schema.errors import ConfigError
+from pipeline.schema.graph import TRAIN_STAGES
 
 ROLE_TOKENS = ("<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>")
 """The special tokens data_prep and the engine use (engine.data.datasets.SPECIAL_TOKENS)."""

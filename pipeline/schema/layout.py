@@ -15,12 +15,12 @@ from typing import Any, Protocol, cast
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.graph import TRAIN_STAGES, spec
 
-# What a layout reads of the config, as protocols: pipeline.schema.config validates with check_layout, so this
+# What a layout reads of the config, as protocols: pipeline.schema.build validates with check_layout, so this
 # module names the fields it reads instead of importing the schema (no cycle, type-only included).
 
 
 class _Parallel(Protocol):
-    """A stage's ``parallel`` section (pipeline.schema.config.ParallelConfig)."""
+    """A stage's ``parallel`` section (pipeline.schema.sections.ParallelConfig)."""
 
     @property
     def tp(self) -> int: ...
@@ -51,7 +51,7 @@ class _TrainStage(_Stage, Protocol):
 
 
 class _Model(Protocol):
-    """The ``model`` section (pipeline.schema.config.ModelConfig): the sizes a layout splits."""
+    """The ``model`` section (pipeline.schema.sections.ModelConfig): the sizes a layout splits."""
 
     @property
     def num_layers(self) -> int: ...

@@ -40,7 +40,7 @@ class RLAlgorithm:
     summary: str
     """One line for the docs and error messages."""
     keys: tuple[str, ...]
-    """The rlhf keys it reads besides the shared training-stage ones (pipeline.schema.config.RLHFStage fields)."""
+    """The rlhf keys it reads besides the shared training-stage ones (pipeline.schema.stage_sections.RLHFStage fields)."""
     reads: tuple[str, ...]
     """Its inputs, a subset of ``INPUTS``."""
     module: str = ""

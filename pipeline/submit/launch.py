@@ -31,8 +31,10 @@ from pipeline.records.ledger import (
     Ledger,
     StageRecord,
 )
-from pipeline.schema.config import PipelineConfig, from_dict, stage_hashes
+from pipeline.schema.build import from_dict
+from pipeline.schema.config import PipelineConfig
 from pipeline.schema.graph import spec, upstream
+from pipeline.schema.identity import stage_hashes
 from pipeline.schema.layout import ParallelPlan, stage_plan
 from pipeline.slurm.job_env import (  # noqa: F401  (free_port re-exported)
     RELAY_ENV,

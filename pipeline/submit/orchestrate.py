@@ -15,8 +15,9 @@ from typing import Any, TextIO
 
 from pipeline.records import progress
 from pipeline.records.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, STOPPED, Ledger, StageRecord
-from pipeline.schema.config import PipelineConfig, run_dir_for, stage_hashes
+from pipeline.schema.config import PipelineConfig
 from pipeline.schema.graph import SPECS, dependencies, order, required
+from pipeline.schema.identity import run_dir_for, stage_hashes
 from pipeline.schema.layout import stage_plan
 from pipeline.submit import prefork
 from pipeline.submit.launch import (

@@ -18,17 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.schema.config import (
-    STAGES,
-    TRAIN_STAGES,
-    ConfigError,
-    ModelConfig,
-    PipelineConfig,
-    TrainStage,
-    run_dir_for,
-    stage_hashes,
-)
-from pipeline.schema.graph import order, required
+from pipeline.schema.config import ModelConfig, PipelineConfig, TrainStage
+from pipeline.schema.errors import ConfigError
+from pipeline.schema.graph import STAGES, TRAIN_STAGES, order, required
+from pipeline.schema.identity import run_dir_for, stage_hashes
 
 Check = Callable[[PipelineConfig, str], None]
 CHECKS: dict[str, list[Check]] = {}

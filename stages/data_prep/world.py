@@ -162,7 +162,7 @@ def run_under_mpiexec(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
 
 def mpi_rank_main(work: Path, main: Callable[[PipelineConfig, StageContext], dict[str, Any]]) -> None:
     """One rank started by ``run_under_mpiexec``: runs the stage's ``main`` on the config and context saved there."""
-    from pipeline.schema.config import from_dict
+    from pipeline.schema.build import from_dict
 
     cfg = from_dict(json.loads((work / "config.json").read_text()))
     a = json.loads((work / "context.json").read_text())

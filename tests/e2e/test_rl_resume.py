@@ -196,7 +196,8 @@ DR_GRPO = ("run.stages=[rlhf]", "rlhf.algorithm=dr_grpo")
 def seeded_ppo(sft_root: Path, dest: Path, overrides: tuple[str, ...] = PPO) -> Path:
     """``seeded``, with the run directory renamed to the config's of ``overrides`` (the run hash covers rlhf's
     keys; the completed stages' own hashes are unchanged)."""
-    from pipeline.schema.config import load_config, run_dir_for
+    from pipeline.schema.compose import load_config
+    from pipeline.schema.identity import run_dir_for
 
     root = seeded(sft_root, dest)
     want = run_dir_for(load_config([*BASE, f"run.root={root}", *overrides]))

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.records.ledger import COMPLETED, FAILED, RUNNING, Ledger, StageRecord
-from pipeline.schema.config import load_config, stage_hashes
+from pipeline.schema.compose import load_config
+from pipeline.schema.identity import stage_hashes
 from pipeline.submit.launch import sbatch_script
 from pipeline.submit.orchestrate import RunError, decide, run_dir_for
 

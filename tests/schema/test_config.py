@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.schema.config import (
-    CONF_DIR,
-    ConfigError,
-    PipelineConfig,
-    build_config,
-    compose,
-    load_config,
-    run_hash,
-)
+from pipeline.schema.build import build_config
+from pipeline.schema.compose import CONF_DIR, compose, load_config
+from pipeline.schema.config import PipelineConfig
+from pipeline.schema.errors import ConfigError
+from pipeline.schema.identity import run_hash
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 

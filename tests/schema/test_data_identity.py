@@ -13,7 +13,8 @@ import pytest
 from engine.data.formats import check_source
 from pipeline.records.ledger import COMPLETED, Ledger, StageRecord
 from pipeline.schema import data_identity
-from pipeline.schema.config import load_config, run_hash, stage_hashes
+from pipeline.schema.compose import load_config
+from pipeline.schema.identity import run_hash, stage_hashes
 from pipeline.submit.orchestrate import decide, run_dir_for
 from tests.support.env import REPO
 

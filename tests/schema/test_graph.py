@@ -10,8 +10,10 @@ import pytest
 
 import stages
 from pipeline.schema import graph
-from pipeline.schema.config import ConfigError, PipelineConfig, stage_hashes
+from pipeline.schema.config import PipelineConfig
+from pipeline.schema.errors import ConfigError
 from pipeline.schema.graph import required
+from pipeline.schema.identity import stage_hashes
 
 
 def test_every_stage_has_its_module_and_config_section() -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli.compose import load
-from pipeline.schema.config import ConfigError, PipelineConfig
+from pipeline.schema.config import PipelineConfig
+from pipeline.schema.errors import ConfigError
 from tests.support.env import REPO as ROOT
 from tests.support.hf_models import make
 

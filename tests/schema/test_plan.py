@@ -15,7 +15,8 @@ import pytest
 
 from pipeline.cli.plan import CONF_DIR, compose_config
 from pipeline.schema import layout as plan_mod
-from pipeline.schema.config import ConfigError, ModelConfig, ParallelConfig, PipelineConfig
+from pipeline.schema.config import ModelConfig, PipelineConfig
+from pipeline.schema.errors import ConfigError
 from pipeline.schema.estimates import (
     GiB,
     estimate_stage,
@@ -28,6 +29,7 @@ from pipeline.schema.estimates import (
     rank_params,
     step_flops,
 )
+from pipeline.schema.sections import ParallelConfig
 from tests.support.env import REPO
 
 GPU_CLUSTER = ["cluster.executor=slurm", "cluster.gpus_per_node=8"]

@@ -11,7 +11,9 @@ import pytest
 
 from engine.data import sources as ds
 from engine.data.datasets import load_tokenizer, read_manifest
-from pipeline.schema.config import ConfigError, DataConfig, DataSource, PipelineConfig
+from pipeline.schema.config import DataConfig, PipelineConfig
+from pipeline.schema.errors import ConfigError
+from pipeline.schema.sections import DataSource
 from tests.stages.test_data_prep import prep_config, run_prep
 
 WORDS = "the king queen sword crown night day love war peace river stone fire wind".split()
@@ -397,7 +399,7 @@ def test_sentencepiece_model_as_tokenizer(tmp_path: Path) -> None:
 
 def test_format_registry_matches_the_schema_names() -> None:
     from engine.data.formats import FORMATS
-    from pipeline.schema.config import SOURCE_FORMATS
+    from pipeline.schema.sections import SOURCE_FORMATS
 
     assert set(FORMATS) == set(SOURCE_FORMATS) - {"auto"}
 

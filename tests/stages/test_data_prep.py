@@ -255,7 +255,7 @@ def test_mpi_two_ranks_byte_identical(prepared: tuple[PipelineConfig, Path, dict
         pytest.skip("mpiexec not installed next to the interpreter (pip install mpi4py mpich)")
     two = tmp_path / "data_prep"
     script = (
-        "import json, sys; from pathlib import Path; from pipeline.schema.config import from_dict; "
+        "import json, sys; from pathlib import Path; from pipeline.schema.build import from_dict; "
         "from stages import data_prep; from engine.context import StageContext; "
         "cfg = from_dict(json.loads(sys.argv[1])); out = Path(sys.argv[2]); "
         "r = data_prep.main(cfg, StageContext(run_dir=out.parent, stage='data_prep', out_dir=out)); "

@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from pipeline.schema.config import from_dict
+    from pipeline.schema.build import from_dict
     from engine.context import StageContext
 
     cfg = from_dict(json.loads(Path(sys.argv[1]).read_text()))

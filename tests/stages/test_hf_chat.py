@@ -14,7 +14,7 @@ from engine.context import StageContext  # noqa: E402
 from engine.data import chat  # noqa: E402
 from engine.data.datasets import load_tokenizer, read_manifest  # noqa: E402
 from pipeline.cli.compose import load  # noqa: E402
-from pipeline.schema.config import ConfigError  # noqa: E402
+from pipeline.schema.errors import ConfigError  # noqa: E402
 from stages import data_prep  # noqa: E402
 from tests.support.hf_models import make
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.__main__ import main
-from pipeline.schema import config
-from pipeline.schema.config import PipelineConfig, stage_own_config
+from pipeline.schema import build, compose, domains, graph, identity, sections
+from pipeline.schema.config import PipelineConfig
+from pipeline.schema.identity import stage_own_config
 
 LINE = re.compile(r"^config error: \S+=.*: .+$")
 
@@ -181,7 +182,7 @@ def test_pipeline_imports_no_torch_for_the_front_door() -> None:
 def test_preflight_constants_match_the_engine() -> None:
     from pipeline.submit import preflight
 
-    root = Path(config.__file__).resolve().parents[2] / "engine"
+    root = Path(build.__file__).resolve().parents[2] / "engine"
     checkpointing = "".join(p.read_text() for p in (root / "checkpoint").glob("*.py"))
     assert f'MARKER = "{preflight.CHECKPOINT_MARKER}"' in checkpointing
     data = (root / "data" / "datasets.py").read_text()
@@ -252,7 +253,7 @@ def test_sbatch_rejects_second_stage_leaves_a_readable_run(
     assert "Invalid partition" in (ledger.read("pretrain").error or "")  # type: ignore[union-attr]
     assert status_main([str(run_dir)]) == 1  # status reads it and shows the failure
     assert "submission failed" in capsys.readouterr().out
-    cfg = config.load_config(
+    cfg = compose.load_config(
         [
             "experiment=tiny",
             "cluster=slurm",
@@ -278,7 +279,7 @@ def _leaves(prefix: str, obj: object) -> list[str]:
 def test_run_identity_classifies_every_schema_field() -> None:
     pc = PipelineConfig()
     included: set[str] = set()
-    for stage in config.STAGES:
+    for stage in graph.STAGES:
         own = stage_own_config(pc, stage)
         for k, v in own.items():
             if k in ("data", "model"):
@@ -293,11 +294,13 @@ def test_run_identity_classifies_every_schema_field() -> None:
     for leaf in _leaves("", pc):
         parts = leaf.split(".")
         reason = (
-            config.IDENTITY_EXCLUDED_SECTIONS.get(parts[0])
+            identity.IDENTITY_EXCLUDED_SECTIONS.get(parts[0])
             or (
-                len(parts) >= 2 and config.IDENTITY_EXCLUDED_STAGE_KEYS.get(parts[1])
+                len(parts) >= 2 and identity.IDENTITY_EXCLUDED_STAGE_KEYS.get(parts[1])
             )  # a whole sub-config (monitor)
-            or (len(parts) == 3 and parts[1] == "parallel" and parts[2] not in config.IDENTITY_PARALLEL_KEYS)
+            or (
+                len(parts) == 3 and parts[1] == "parallel" and parts[2] not in identity.IDENTITY_PARALLEL_KEYS
+            )
         )
         if leaf in included and reason:
             both.append(leaf)
@@ -305,27 +308,27 @@ def test_run_identity_classifies_every_schema_field() -> None:
             unclassified.append(leaf)
     assert not unclassified, f"fields neither in the run identity nor excluded with a reason: {unclassified}"
     assert not both, f"fields both hashed and excluded: {both}"
-    assert all(config.IDENTITY_EXCLUDED_SECTIONS.values()) and all(
-        config.IDENTITY_EXCLUDED_STAGE_KEYS.values()
+    assert all(identity.IDENTITY_EXCLUDED_SECTIONS.values()) and all(
+        identity.IDENTITY_EXCLUDED_STAGE_KEYS.values()
     )
 
 
 def test_spike_threshold_changes_the_run_identity_policy_does_not() -> None:
-    base = config.run_hash(PipelineConfig())
+    base = identity.run_hash(PipelineConfig())
     pc = PipelineConfig()
     pc.pretrain = dataclasses.replace(pc.pretrain, grad_spike_factor=3.0)
-    assert config.run_hash(pc) != base, "dropping spiking updates changes the trajectory"
+    assert identity.run_hash(pc) != base, "dropping spiking updates changes the trajectory"
     for change in ({"nan_policy": "rollback"}, {"max_bad_steps": 3}):  # skip == rollback, bit for bit
         pc = PipelineConfig()
         pc.pretrain = dataclasses.replace(pc.pretrain, **change)  # type: ignore[arg-type]
-        assert config.run_hash(pc) == base, change
+        assert identity.run_hash(pc) == base, change
 
 
 def test_every_numeric_field_has_a_domain() -> None:
     missing = []
-    for cls in config._DATACLASSES.values():
+    for cls in build._DATACLASSES.values():
         for f in dataclasses.fields(cls):
-            if re.search(r"\b(int|float)\b", str(f.type)) and config.domain_of(f) is None:
+            if re.search(r"\b(int|float)\b", str(f.type)) and domains.domain_of(f) is None:
                 missing.append(f"{cls.__name__}.{f.name}")
     assert not missing, missing
 
@@ -368,7 +371,7 @@ def test_task_prompt_count_matches_the_task_code() -> None:
 
     for task in ("counting", "arithmetic"):
         for n in (1, 9, 99, 999):
-            assert config.task_prompts(task, n) == tasks.space_size(n, task)
+            assert sections.task_prompts(task, n) == tasks.space_size(n, task)
 
 
 def test_slurm_only_key_with_the_local_executor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -384,8 +387,8 @@ def test_prepared_data_too_small_for_one_batch(tmp_path: Path, capsys: pytest.Ca
     from pipeline.records.ledger import COMPLETED, Ledger
 
     cfg = load(["experiment=tiny", f"run.root={tmp_path / 'runs'}", "run.stages=[data_prep]"])
-    run_dir = config.run_dir_for(cfg)
-    Ledger(run_dir).update("data_prep", status=COMPLETED, hash=config.stage_hashes(cfg)["data_prep"])
+    run_dir = identity.run_dir_for(cfg)
+    Ledger(run_dir).update("data_prep", status=COMPLETED, hash=identity.stage_hashes(cfg)["data_prep"])
     out = run_dir / "stages" / "data_prep"
     out.mkdir(parents=True)
     (out / "manifest.json").write_text(json.dumps({"counts": {"tokens_train": 100}}))

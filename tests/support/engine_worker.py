@@ -114,7 +114,7 @@ def _callbacks(spec: dict[str, Any]) -> Any:
     if spec.get("sinks"):
         from engine.callbacks.setup import SINKS
         from engine.train.callback import StageInfo
-        from pipeline.schema.config import MonitorConfig
+        from pipeline.schema.stage_sections import MonitorConfig
 
         mon = MonitorConfig(**{**spec.get("monitor", {}), "sinks": spec["sinks"]})
         info = StageInfo("pretrain", Path(spec["stage_dir"]), Path(spec["run_dir"]), config=spec)
@@ -125,7 +125,8 @@ def _callbacks(spec: dict[str, Any]) -> Any:
 
 def configs(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
     """SPEC's ModelConfig, ParallelConfig and TrainStage (log every step, no warmup, one thread by default)."""
-    from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
+    from pipeline.schema.config import ModelConfig, TrainStage
+    from pipeline.schema.sections import ParallelConfig
 
     model_cfg = ModelConfig(**spec.get("model", {}))
     par = ParallelConfig(**spec.get("parallel", {}))
@@ -144,7 +145,7 @@ def build_trainer(spec: dict[str, Any], model_cfg: Any, par: Any, stage: Any) ->
     from engine.runtime import distributed as D
     from engine.train.steps import make_step
     from engine.train.trainer import Trainer, build_optimizer
-    from pipeline.schema.config import PeftConfig
+    from pipeline.schema.stage_sections import PeftConfig
     from tests.support.synthetic import SyntheticPreferenceSource, SyntheticSource
 
     vocab = spec.get("vocab", 256)

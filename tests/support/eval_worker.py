@@ -12,7 +12,7 @@ from pathlib import Path
 
 if __name__ == "__main__":
     from engine.context import StageContext
-    from pipeline.schema.config import load_config
+    from pipeline.schema.compose import load_config
     from pipeline.schema.layout import stage_plan
     from stages import eval as eval_stage
 

@@ -16,7 +16,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.models.generate import SamplingParams, generate
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
-    from pipeline.schema.config import ModelConfig, ParallelConfig
+    from pipeline.schema.config import ModelConfig
+    from pipeline.schema.sections import ParallelConfig
 
     model_cfg = ModelConfig(**spec.get("model", {}))
     par = ParallelConfig(**spec.get("parallel", {}))

@@ -56,8 +56,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.models.gpt import build_model
     from engine.models.hf_weights import load_hf
     from engine.runtime import distributed as D
-    from pipeline.schema.config import ParallelConfig
     from pipeline.schema.hf_arch import model_config
+    from pipeline.schema.sections import ParallelConfig
 
     tokens = torch.tensor(spec["tokens"], dtype=torch.long)
     b, seq = tokens.shape

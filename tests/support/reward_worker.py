@@ -65,7 +65,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.runtime import distributed as D
     from engine.train.steps import make_step
     from engine.train.trainer import Trainer, build_optimizer
-    from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
+    from pipeline.schema.config import ModelConfig, TrainStage
+    from pipeline.schema.sections import ParallelConfig
 
     model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ)
     par = ParallelConfig(**{"micro_batch_size": 4, "global_batch_size": 8, **spec.get("parallel", {})})

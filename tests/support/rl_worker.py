@@ -37,7 +37,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.runtime import distributed as D
     from engine.train.meter import StepMeter
     from engine.train.units import NamedModel, frozen
-    from pipeline.schema.config import ModelConfig, ParallelConfig, RLHFStage
+    from pipeline.schema.config import ModelConfig, RLHFStage
+    from pipeline.schema.sections import ParallelConfig
 
     rl = dict(spec["rlhf"])
     par = ParallelConfig(**rl.pop("parallel"))

@@ -1,7 +1,7 @@
 """The registry of pretraining source formats (``data.sources[].format``): name -> :class:`Format`.
 
 A new format is one module here (a :class:`~engine.data.formats.base.Format` subclass: ``detect``/``matches``,
-``units``, ``records``), one entry in ``FORMATS`` and its name in ``pipeline.schema.config.SOURCE_FORMATS``.
+``units``, ``records``), one entry in ``FORMATS`` and its name in ``pipeline.schema.sections.SOURCE_FORMATS``.
 """
 
 from __future__ import annotations

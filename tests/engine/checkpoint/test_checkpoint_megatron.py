@@ -197,7 +197,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.runtime import distributed as D
     from engine.train.steps import make_step
     from engine.train.trainer import Trainer, build_optimizer
-    from pipeline.schema.config import ModelConfig, ParallelConfig, PeftConfig, TrainStage
+    from pipeline.schema.config import ModelConfig, TrainStage
+    from pipeline.schema.sections import ParallelConfig
+    from pipeline.schema.stage_sections import PeftConfig
     from tests.support.synthetic import SyntheticSource
 
     for name in spec.get("unpatched", []):  # leave these faults of megatron as shipped

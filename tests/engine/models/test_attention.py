@@ -77,7 +77,8 @@ class _FakeTokenizer:
 def _models(tp: int, position: str, tie: bool = True) -> dict[str, Any]:
     from engine.models.gpt import build_model, unwrap
     from engine.runtime import distributed as D
-    from pipeline.schema.config import ModelConfig, ParallelConfig
+    from pipeline.schema.config import ModelConfig
+    from pipeline.schema.sections import ParallelConfig
 
     base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2}
     base |= {"seq_length": SEQ, "position_embedding": position, "tie_embeddings": tie}

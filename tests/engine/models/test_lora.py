@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli.plan import compose_config  # noqa: E402
-from pipeline.schema.config import ConfigError, PeftConfig  # noqa: E402
+from pipeline.schema.errors import ConfigError  # noqa: E402
+from pipeline.schema.stage_sections import PeftConfig  # noqa: E402
 from tests.engine.checkpoint import test_checkpoint_megatron as drill
 from tests.support.engine_worker import launch as engine_launch
 

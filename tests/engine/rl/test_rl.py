@@ -127,7 +127,8 @@ def test_verifier_reward_checks_each_response_against_its_prompts_answer() -> No
     ],
 )
 def test_grpo_config_is_validated(overrides: list[str], message: str) -> None:
-    from pipeline.schema.config import ConfigError, load_config
+    from pipeline.schema.compose import load_config
+    from pipeline.schema.errors import ConfigError
 
     assert load_config(["rlhf=grpo"]).rlhf.algorithm == "grpo"
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -218,7 +219,8 @@ def test_ppo_step_loss_by_hand() -> None:
 
 
 def test_ppo_config_and_a_wrong_algorithm_lists_the_choices() -> None:
-    from pipeline.schema.config import ConfigError, load_config
+    from pipeline.schema.compose import load_config
+    from pipeline.schema.errors import ConfigError
 
     cfg = load_config(["rlhf=ppo"]).rlhf
     assert (cfg.algorithm, cfg.gamma, cfg.lam, cfg.value_clip) == ("ppo", 1.0, 0.95, 0.2)
@@ -283,7 +285,7 @@ def test_dr_grpo_step_loss_by_hand_differs_from_grpo() -> None:
 def test_dr_grpo_config_and_every_declared_algorithm_is_registered() -> None:
     from engine.rl import registry
     from pipeline.schema import rl
-    from pipeline.schema.config import load_config
+    from pipeline.schema.compose import load_config
 
     cfg = load_config(["rlhf=dr_grpo"]).rlhf
     assert (cfg.algorithm, cfg.group_size, cfg.max_new_tokens) == ("dr_grpo", 8, 6)

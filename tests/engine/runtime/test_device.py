@@ -28,7 +28,8 @@ SCRIPT = textwrap.dedent(
     import numpy as np
     import torch
 
-    from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
+    from pipeline.schema.config import ModelConfig, TrainStage
+    from pipeline.schema.sections import ParallelConfig
     from stages import eval as ev
     from engine.runtime import distributed as D
     from engine.models.gpt import build_model, unwrap

@@ -24,7 +24,9 @@ import pytest
 import torch
 
 from engine.train.bad_steps import SPIKE_MIN_HISTORY, BadStepGuard, reason_code, reason_from_code
-from pipeline.schema.config import ConfigError, PipelineConfig, TrainStage, stage_hashes
+from pipeline.schema.config import PipelineConfig, TrainStage
+from pipeline.schema.errors import ConfigError
+from pipeline.schema.identity import stage_hashes
 from tests.support import cli
 from tests.support.cli import metrics, ok, run_dir, seeded
 

@@ -13,7 +13,8 @@ import pytest
 from engine.callbacks.alarms import GRAD_NORM, LOSS_SPIKE, STALL, THROUGHPUT, Alarms
 from engine.train.callback import Callback, Callbacks, StageInfo, view
 from pipeline.records.ledger import Ledger
-from pipeline.schema.config import MonitorConfig, from_dict
+from pipeline.schema.build import from_dict
+from pipeline.schema.stage_sections import MonitorConfig
 from tests.support.engine_worker import launch
 from tests.support.env import REPO as ROOT
 
@@ -139,7 +140,7 @@ def test_monitor_config_is_validated_with_the_key_named() -> None:
 
 def test_sinks_are_a_registry_checked_at_config_time() -> None:
     from engine.callbacks.setup import SINKS
-    from pipeline.schema.config import SINK_NAMES
+    from pipeline.schema.stage_sections import SINK_NAMES
 
     assert tuple(SINKS) == SINK_NAMES
     assert from_dict({}).pretrain.monitor.sinks == ["tensorboard"]  # today's default
@@ -248,7 +249,7 @@ def test_meter_tflops_and_mfu() -> None:
 def test_oom_report_names_the_planner_estimate_and_fix(tmp_path: Path) -> None:
     from engine.context import MetricsWriter, StageContext
     from engine.runtime.oom import oom_report
-    from pipeline.schema.config import load_config
+    from pipeline.schema.compose import load_config
 
     cfg = load_config(["model=llama3.1-8b", "cluster=gpu_ib"])
     ctx = StageContext(run_dir=tmp_path, stage="pretrain", out_dir=tmp_path)

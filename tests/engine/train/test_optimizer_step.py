@@ -45,7 +45,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.runtime import distributed as D
     from engine.train.steps import make_step
     from engine.train.trainer import Trainer, build_optimizer, fuse_cpu_adam
-    from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
+    from pipeline.schema.config import ModelConfig, TrainStage
+    from pipeline.schema.sections import ParallelConfig
     from tests.support.synthetic import SyntheticSource
 
     model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32)

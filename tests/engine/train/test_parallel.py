@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pipeline.cli.plan import compose_config  # noqa: E402
-from pipeline.schema.config import ConfigError  # noqa: E402
+from pipeline.schema.errors import ConfigError  # noqa: E402
 from tests.support.engine_worker import launch
 
 MODEL = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32}

@@ -62,7 +62,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.runtime import distributed as D
     from engine.train.steps import make_step
     from engine.train.trainer import Trainer, build_optimizer
-    from pipeline.schema.config import ModelConfig, ParallelConfig, TrainStage
+    from pipeline.schema.config import ModelConfig, TrainStage
+    from pipeline.schema.sections import ParallelConfig
     from tests.engine.checkpoint.test_checkpoint_megatron import snapshot
     from tests.support.synthetic import SyntheticSource
 

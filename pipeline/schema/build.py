@@ -1,0 +1,229 @@
+"""``build_config``: a composed Hydra config (or plain dict) into a validated ``PipelineConfig``.
+
+Each section validates itself (domains, choices, relations inside it); here come the dotted key paths of
+errors, unknown keys, and the relations between sections: layouts against the model and cluster, time limits,
+keys a stage would silently ignore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.schema.config import PipelineConfig
+from pipeline.schema.domains import fail
+from pipeline.schema.errors import ConfigError
+from pipeline.schema.graph import TRAIN_STAGES
+from pipeline.schema.layout import check_layout
+from pipeline.schema.sections import (
+    ClusterConfig,
+    DataConfig,
+    DataSource,
+    ModelConfig,
+    ParallelConfig,
+    PlannerConfig,
+    RunConfig,
+)
+from pipeline.schema.stage_sections import (
+    DataPrepStage,
+    EvalStage,
+    ExportStage,
+    MonitorConfig,
+    PeftConfig,
+    RewardModelStage,
+    RLHFStage,
+    TrainStage,
+)
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    """Construct dataclass ``cls`` from plain ``data``, prefixing errors with the dotted ``path``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or '<root>'}={data!r}: expected a mapping of {cls.__name__} fields")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        k = unknown[0]
+        close = difflib.get_close_matches(k, list(fields), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{_join(path, k)}={data[k]!r}: unknown key{hint}; valid keys: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        ftype = fields[name].type
+        sub = _DATACLASSES.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        item = _DATACLASSES.get(ftype[5:-1]) if isinstance(ftype, str) and ftype.startswith("list[") else None
+        if item is not None and isinstance(value, list):  # a list of dataclasses (data.sources)
+            kwargs[name] = [_build(item, v, f"{_join(path, name)}[{i}]") for i, v in enumerate(value)]
+            continue
+        kwargs[name] = _build(sub, value, _join(path, name)) if sub else value
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{_join(path, str(e))}") from None
+    except TypeError as e:
+        raise ConfigError(f"{path or '<root>'}: {e}") from None
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+_DATACLASSES: dict[str, type] = {
+    c.__name__: c
+    for c in (
+        ModelConfig,
+        ParallelConfig,
+        MonitorConfig,
+        PeftConfig,
+        ClusterConfig,
+        DataConfig,
+        DataSource,
+        DataPrepStage,
+        TrainStage,
+        RLHFStage,
+        EvalStage,
+        RewardModelStage,
+        ExportStage,
+        RunConfig,
+        PlannerConfig,
+        PipelineConfig,
+    )
+}
+
+
+def build_config(
+    cfg: Any, *, resolve: Callable[[PipelineConfig], PipelineConfig] | None = None
+) -> PipelineConfig:
+    """Validate a composed Hydra config (DictConfig or dict) into a PipelineConfig, fully resolved.
+
+    Raises ConfigError naming the key. ``resolve`` fills values from referenced files before the
+    cross-field checks (the commands pass ``pipeline.schema.hf_model.apply``: ``hf:<dir>`` model references).
+    Cross-field checks (layouts against the model and cluster) run here too; the commands add the
+    pre-flight of inputs (``pipeline.cli.compose.load``), so nothing is submitted or written before the whole
+    config is known good.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    raw = (
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        if isinstance(cfg, DictConfig)
+        else cfg
+    )
+    if not isinstance(raw, dict):
+        raise ConfigError(f"<root>={raw!r}: expected a mapping")
+    data = {k: v for k, v in raw.items() if k != "hydra"}
+    pc: PipelineConfig = _build(PipelineConfig, data, "")
+    if resolve is not None:
+        pc = resolve(pc)
+    _check_cross(pc)
+    return pc
+
+
+def _check_cross(pc: PipelineConfig) -> None:
+    """Relations between keys of different sections, and keys a stage would silently ignore."""
+    for name in pc.run.stages:
+        check_layout(pc, name)
+    _check_ignored(pc)
+    c = pc.cluster
+    if c.executor == "slurm":
+        for name in pc.run.stages:
+            limit = pc.stage(name).time_min or c.time_min
+            if c.signal_delay_s >= limit * 60:
+                key = f"{name}.time_min" if pc.stage(name).time_min else "cluster.time_min"
+                fail(
+                    "cluster.signal_delay_s",
+                    c.signal_delay_s,
+                    f"the warning signal must come before the time limit ({key}={limit} min = {limit * 60} s)",
+                )
+    if pc.eval.num_task_examples > pc.data.num_eval_examples:
+        fail(
+            "eval.num_task_examples",
+            pc.eval.num_task_examples,
+            f"must be <= data.num_eval_examples={pc.data.num_eval_examples} (the held-out set data prep writes)",
+        )
+    if pc.model.vocab_size is not None and pc.data.tokenizer_path is None:
+        if pc.model.vocab_size < pc.data.vocab_size:
+            fail(
+                "model.vocab_size",
+                pc.model.vocab_size,
+                f"must be >= data.vocab_size={pc.data.vocab_size} (the tokenizer data prep trains)",
+            )
+
+
+# Keys of a shared stage schema that only some stages read: set elsewhere they would be silently ignored.
+_RLHF_ONLY = ("beta", "algorithm")
+_SLURM_ONLY = (
+    "partition",
+    "account",
+    "qos",
+    "constraint",
+    "exclusive",
+    "setup",
+    "container_image",
+    "env",
+    "signal_delay_s",
+    "mpi",
+)
+_PARALLEL_USED = {
+    "data_prep": ("tp", "pp", "dp", "nodes"),
+    "eval": ("tp", "pp", "dp", "nodes", "precision"),
+    "export": (),
+}
+
+
+def _check_ignored(pc: PipelineConfig) -> None:
+    """A per-stage value either applies or is rejected: non-default values of keys a stage does not read."""
+    train_default = TrainStage()
+    for name in (s for s in TRAIN_STAGES if s != "rlhf"):
+        for k in _RLHF_ONLY:
+            value = getattr(getattr(pc, name), k)
+            if value != getattr(train_default, k):
+                fail(f"{name}.{k}", value, f"only rlhf reads it (set rlhf.{k}); leave it at its default")
+    if pc.pretrain.peft.method != "none":
+        fail(
+            "pretrain.peft.method",
+            pc.pretrain.peft.method,
+            "LoRA is for sft and rlhf; pretrain trains every weight",
+        )
+    for name in ("sft", "rlhf"):
+        st = getattr(pc, name)
+        if st.peft.method == "lora" and st.init_from in (None, "", "none", "null"):
+            fail(
+                f"{name}.peft.method",
+                st.peft.method,
+                f"LoRA adapts a base model: {name}.init_from must name one (auto, a checkpoint or hf:<dir>), not null",
+            )
+    cluster_default, c = ClusterConfig(), pc.cluster
+    if c.executor != "slurm":
+        for k in _SLURM_ONLY:
+            if getattr(c, k) != getattr(cluster_default, k):
+                fail(
+                    f"cluster.{k}",
+                    getattr(c, k),
+                    f"only cluster.executor=slurm reads it (executor is {c.executor}); use a SLURM profile "
+                    "(cluster=slurm) or leave it at its default",
+                )
+    if c.gpus_per_node > 0 and c.ranks_per_node != cluster_default.ranks_per_node:
+        fail(
+            "cluster.ranks_per_node",
+            c.ranks_per_node,
+            f"with GPUs a node runs one rank per GPU (cluster.gpus_per_node={c.gpus_per_node}); leave it at its default",
+        )
+    par_default = ParallelConfig()
+    for name, used in _PARALLEL_USED.items():
+        par = pc.stage(name).parallel
+        for f in dataclasses.fields(ParallelConfig):
+            value = getattr(par, f.name)
+            if f.name not in used and value != getattr(par_default, f.name):
+                fail(
+                    f"{name}.parallel.{f.name}",
+                    value,
+                    f"{name} does not read it (it reads {', '.join(used) or 'none of them'}); leave it at its default",
+                )
+
+
+def from_dict(data: dict[str, Any]) -> PipelineConfig:
+    """Rebuild a PipelineConfig from ``to_dict()`` output (used inside jobs)."""
+    return _build(PipelineConfig, data, "")

@@ -1,0 +1,89 @@
+"""Run identity: each stage's hash (its result-deciding config plus its upstream stages' hashes) and the run
+directory named by them; the keys that cannot change results are listed with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.schema import graph
+from pipeline.schema.config import PipelineConfig
+from pipeline.schema.graph import STAGES
+
+# Run identity. Every key changes a stage's hash unless it is listed here with the reason it cannot change
+# results (tests/submit/test_frontdoor.py enumerates every schema field and checks each is classified).
+IDENTITY_EXCLUDED_SECTIONS: dict[str, str] = {
+    "run": "what to run now and where its records go: the name and root name the directory itself, "
+    "stages picks a subset (each stage's hash covers its own inputs), dry_run/follow only change the command",
+    "cluster": "where and how jobs run (executor, resources, time limits, environment, requeues)",
+    "planner": "assumptions of the resource planner (python -m pipeline.plan); no job reads them",
+}
+IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
+    "time_min": "job time limit: a stage stopped by it resumes exactly",
+    "threads": "CPU threads per rank: speed only",
+    "launcher": "how data_prep's ranks meet: the output is byte-identical whatever the launcher",
+    "hang_timeout_s": "watchdog: only decides when a hung rank gives up",
+    "log_interval": "how often metrics are printed",
+    "save_interval": "checkpoint cadence: resume and rollback replay exactly",
+    "keep_last": "how many checkpoints are kept on disk",
+    "keep_incomplete": "how many temp dirs of crashed saves are kept on disk",
+    "max_bad_steps": "only decides whether a stage stops; a completed stage's result does not depend on it",
+    "nan_policy": "skip and rollback give bit-identical weights (tests/test_nan_policy.py); stop only ends "
+    "the stage",
+    "async_save": "checkpoint writing in the background: the saved state is the same",
+    "checkpoint_verify": "how a resume checks checkpoint files: only decides which checkpoint is trusted",
+    "monitor": "sinks (TensorBoard, W&B, MLflow) and alarm thresholds only observe the run",
+}
+IDENTITY_PARALLEL_KEYS = ("global_batch_size", "precision")
+"""The only parallel keys that change results; the rest is the layout, which must not (same weights at step 0
+and the same data order under any tp/pp/vpp/dp)."""
+# grad_spike_factor stays in the identity: the spike threshold decides which updates are dropped, so it
+# changes the trajectory whenever it is on.
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def stage_own_config(pc: PipelineConfig, name: str) -> dict[str, Any]:
+    """The part of the config that decides a stage's result (cluster and resources excluded)."""
+    st = dataclasses.asdict(pc.stage(name))
+    own = {k: v for k, v in st.items() if k not in IDENTITY_EXCLUDED_STAGE_KEYS}
+    own["parallel"] = {k: st["parallel"][k] for k in IDENTITY_PARALLEL_KEYS}
+    if name == "data_prep":
+        own["data"] = dataclasses.asdict(pc.data)
+    else:
+        own["model"] = dataclasses.asdict(pc.model)
+    return own
+
+
+def stage_hashes(pc: PipelineConfig, with_inputs: bool = True) -> dict[str, str]:
+    """Each stage's hash: its own result-deciding config plus its upstream stages' hashes.
+
+    ``with_inputs``: data_prep's hash also covers the contents of its input files
+    (``pipeline.schema.data_identity``), so editing a corpus file reruns data_prep and everything downstream.
+    """
+    out: dict[str, str] = {}
+    for name in STAGES:
+        ups = {u: out[u] for u in graph.hash_upstream(name, pc)}
+        own = stage_own_config(pc, name)
+        if name == "data_prep" and with_inputs:
+            from pipeline.schema.data_identity import inputs_digest
+
+            own["inputs"] = inputs_digest(pc)
+        out[name] = _digest({"stage": name, "own": own, "upstream": ups})
+    return out
+
+
+def run_hash(pc: PipelineConfig) -> str:
+    """Hash naming the run directory: every stage's result-deciding config (not which subset runs, not the data files' contents)."""
+    return _digest(stage_hashes(pc, with_inputs=False))[:8]
+
+
+def run_dir_for(pc: PipelineConfig) -> Path:
+    """Deterministic run directory: experiment name + hash of everything that changes results."""
+    return Path(pc.run.root).resolve() / f"{pc.run.name}-{run_hash(pc)}"
