@@ -74,7 +74,7 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the schema in `pipeline/schema/config.py` by `python -m pipeline.docs`; do not edit by hand.",
+        "Generated from the schema in `pipeline/schema/` (sections.py, stage_sections.py, config.py) by `python -m pipeline.docs`; do not edit by hand.",
         "Override any key on the command line (`python -m pipeline pretrain.lr=3e-4`); YAML under `conf/` picks",
         "values per group (`model=llama3.2-1b`, `cluster=slurm`, `parallel@pretrain.parallel=dp2`, `experiment=tiny`).",
         "`allowed` is a numeric key's domain (null stays allowed where the type says `| None`); every key is checked",
