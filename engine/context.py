@@ -13,6 +13,17 @@ from typing import Any
 from pipeline.schema.layout import ParallelPlan
 
 
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job (torch.distributed's rendezvous: what torchrun's variables say)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
 @dataclass
 class StageContext:
     """Arguments of ``stages.<name>.main(cfg, ctx)``; built by the job runner (pipeline.submit.launch)."""
@@ -38,6 +49,22 @@ class StageContext:
     on_hang: tuple[Callable[[], None], ...] = ()
     """Called by a firing hang watchdog just before the rank exits (the local launcher ends the job's other
     ranks: pipeline.submit.launch.end_local_job)."""
+    dist: DistEnv | None = None
+    """This rank's place in the job, from the launcher's job environment; None outside the launcher (one
+    process, or torch.distributed's own env rendezvous: engine.runtime.distributed.env_from_os)."""
+    faults: str = ""
+    """Fault-injection specs for tests and drills (engine.runtime.fault_injection; the launcher reads
+    ``PIPELINE_FAULT``); empty: none."""
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank (0 outside the launcher)."""
+        return self.dist.rank if self.dist else 0
+
+    @property
+    def world_size(self) -> int:
+        """The job's number of ranks (1 outside the launcher)."""
+        return self.dist.world_size if self.dist else 1
 
     @property
     def metrics_path(self) -> Path:

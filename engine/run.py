@@ -144,7 +144,8 @@ def train_stage(
     started = {"imports": time.time()}
     stop_flag = StopFlag().install()  # before init: a signal during start-up is not lost
     watchdog = Watchdog(st.hang_timeout_s, may_requeue=ctx.may_requeue, on_hang=ctx.on_hang).start()
-    D.init(par.tp, par.pp, plan.vpp if plan else par.vpp, seed=st.seed, threads=st.threads)
+    D.init(par.tp, par.pp, plan.vpp if plan else par.vpp, seed=st.seed, threads=st.threads, env=ctx.dist)
+    faults = FaultInjector(ctx.out_dir, D.rank(), ctx.faults)
     set_verify_mode(st.checkpoint_verify)
     started["init"] = time.time()
     callbacks = None
@@ -167,6 +168,7 @@ def train_stage(
             st.async_save,
             keep_incomplete=st.keep_incomplete,
             peft=st.peft if st.peft.method == "lora" else None,
+            faults=faults,
         )
         seq_length = st.seq_length or cfg.model.seq_length
         weights_loaded = init_weights(ckpt, chunks) if init_weights is not None else False
@@ -195,7 +197,7 @@ def train_stage(
             unit=train_unit,
             metrics=metrics,
             checkpointer=ckpt,
-            faults=FaultInjector(ctx.out_dir, D.rank()),
+            faults=faults,
             stop_flag=stop_flag,
             watchdog=watchdog,
             callbacks=callbacks,

@@ -31,7 +31,7 @@ def command(cfg: PipelineConfig, ctx: StageContext) -> list[str]:
 
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
-    if int(os.environ.get("RANK", "0")) != 0:
+    if ctx.rank != 0:
         return {}
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.export.threads)}
     proc = subprocess.run(command(cfg, ctx), capture_output=True, text=True, env=env, check=False)

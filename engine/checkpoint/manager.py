@@ -18,6 +18,7 @@ from engine.checkpoint.layout import MARKER
 from engine.checkpoint.load import load_latest, load_weights
 from engine.checkpoint.save import prune_incomplete
 from engine.checkpoint.save import save as save_checkpoint
+from engine.runtime.fault_injection import FaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class Checkpointer:
         keep_incomplete: int = 1,
         peft: Any = None,
         max_failures: int = 3,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.root = Path(root)
         self.save_interval = save_interval
@@ -57,6 +59,8 @@ class Checkpointer:
         """A PeftConfig with method=lora: checkpoints hold the adapters only, the base comes from init_from."""
         self.max_failures = max_failures
         """Consecutive failed saves that stop the run."""
+        self.faults = faults
+        """The stage's fault injector, checked inside each save (phases ckpt_write, ckpt_commit)."""
         self.finalize_seconds: list[float] = []
         """Wall time of each ``finalize`` call that committed an async save (also a training stall)."""
         self.last_saved: Path | None = None
@@ -185,6 +189,7 @@ class Checkpointer:
             final=final,
             async_save=async_save,
             models=_parts(models),
+            faults=self.faults,
         )
         self.save_seconds.append(time.time() - t0)
         return self.last_saved

@@ -58,12 +58,13 @@ def save(
     final: bool = False,
     keep_incomplete: int = 1,
     models: dict[str, tuple[list, Any, Any]] | None = None,
+    faults: FaultInjector | None = None,
 ) -> Path:
     """Save a checkpoint of ``iteration`` under ``ckpt_root``; collective over all ranks.
 
     ``models``: other trained models of the unit (engine.train.units), name -> (chunks, optimizer,
     scheduler); each gets its own part (``<name>.model``, ``<name>.optimizer``, tensors keyed
-    ``<name>.<param>``; its schedule in the common state's ``schedulers``).
+    ``<name>.<param>``; its schedule in the common state's ``schedulers``). ``faults``: the stage's injector.
 
     ``state`` holds the trainer's resumable values (``consumed_samples``, ...): plain values, equal on
     every rank. ``final=True`` marks the stage's last checkpoint, which retention always keeps besides the
@@ -107,10 +108,10 @@ def save(
         _discard(tmp)
         raise CheckpointError("; ".join(errors))
     info = {"iteration": iteration, "final": final, "world_size": _world(), "layout": parallel_layout()}
-    faults = FaultInjector(ckpt_root.parent, _rank())
 
     def commit() -> None:
-        faults.check("ckpt_write", iteration)
+        if faults is not None:
+            faults.check("ckpt_write", iteration)
         try:
             _commit(tmp, target, info, keep_last, faults, keep_incomplete)
         except CheckpointError:

@@ -1,7 +1,9 @@
 """Process groups, model-parallel state and seeds: the only module calling init_process_group / parallel_state.
 
-The layout comes from torchrun-style environment variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT; set by pipeline.submit.launch.run_stage). Without them the process is a single rank on a free port.
+The layout is given by the caller (``init(env=ctx.dist)``: the launcher's job environment,
+pipeline.submit.launch.run_stage); without one it comes from torch.distributed's own env rendezvous contract
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: ``env_from_os``), and without those the process is a
+single rank on a free port.
 Backend: nccl with CUDA, gloo without (and then engine.runtime.cpu_compat is installed).
 """
 
@@ -11,7 +13,6 @@ import os
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -19,19 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.context import DistEnv as DistEnv  # re-exported: the place of a rank
 from engine.runtime import host_memory, vml
 from pipeline.slurm.job_env import free_port  # noqa: F401  (re-exported: tests and workers pick ports here)
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """This process's place in the job."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
 
 
 def _env_int(environ: Mapping[str, str], key: str, default: int) -> int:
@@ -130,7 +121,8 @@ def init(
     env: DistEnv | None = None,
     timeout_s: int = 1800,
 ) -> DistEnv:
-    """Start the process group, megatron's model-parallel groups and seed every generator."""
+    """Start the process group, megatron's model-parallel groups and seed every generator (``env``: this
+    rank's place, from the caller; default: torch's env rendezvous variables, ``env_from_os``)."""
     env = env or env_from_os()
     if env.world_size % (tp * pp):
         raise ValueError(

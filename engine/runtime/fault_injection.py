@@ -1,6 +1,7 @@
 """Deterministic fault injection for tests and users' own drills.
 
-Set ``PIPELINE_FAULT`` to one or more comma-separated specs ``<action>@<phase>:<step>[/rank=<r>]``:
+Set ``PIPELINE_FAULT`` (read once by the job entry point, pipeline.submit.launch, and handed down as
+``StageContext.faults``) to one or more comma-separated specs ``<action>@<phase>:<step>[/rank=<r>]``:
 
 - action: ``kill`` (SIGKILL this process), ``hang`` (stop making progress forever), ``raise`` (an exception),
   ``nan`` (the step's loss becomes NaN), ``term`` / ``usr1`` / ``usr2`` (send that signal to this process).
@@ -72,8 +73,8 @@ def parse(text: str) -> list[FaultSpec]:
 class FaultInjector:
     """Fires the configured faults at their phase and step, once each per stage directory."""
 
-    def __init__(self, state_dir: Path, rank: int, text: str | None = None) -> None:
-        self.specs = parse(text if text is not None else os.environ.get(ENV, ""))
+    def __init__(self, state_dir: Path, rank: int, text: str = "") -> None:
+        self.specs = parse(text)
         self.state_dir = Path(state_dir) / ".faults"
         self.rank = rank
 

@@ -15,7 +15,7 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +45,7 @@ from pipeline.slurm.job_env import (  # noqa: F401  (free_port re-exported)
 )
 
 if TYPE_CHECKING:
-    from engine.context import StageContext
+    from engine.context import DistEnv, StageContext
 
 CODE_DIRS = ("pipeline", "stages", "engine", "conf")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -198,44 +198,73 @@ def mark_submitted(
 # ---------------------------------------------------------------------------- the job side
 
 
-def _job_environment(executor: str) -> tuple[int, int, int, str, str]:
-    """(rank, world size, local rank, master address, job id) inside a submitit job."""
+NO_TELEMETRY = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
+"""Set in every job's environment unless the user set them: jobs reach no network on their own (MLflow 3
+sends usage telemetry otherwise; DO_NOT_TRACK is the cross-tool convention)."""
+
+
+def _job_environment(executor: str, given_port: int | None) -> tuple[DistEnv, str]:
+    """(this rank's place, the job id) inside a submitit job."""
     import submitit
 
+    from engine.context import DistEnv
+
     if executor == "debug":
-        return 0, 1, 0, "127.0.0.1", os.environ.get("SUBMITIT_DEBUG_JOB_ID", "debug")
+        job_id = os.environ.get("SUBMITIT_DEBUG_JOB_ID", "debug")
+        return DistEnv(0, 1, 0, "127.0.0.1", _rendezvous_port(job_id, given_port)), job_id
     env = submitit.JobEnvironment()
     master = env.hostnames[0] if executor == "slurm" else "127.0.0.1"
-    return env.global_rank, env.num_tasks, env.local_rank, master, str(env.job_id)
+    job_id = str(env.job_id)
+    port = _rendezvous_port(job_id, given_port)
+    return DistEnv(env.global_rank, env.num_tasks, env.local_rank, master, port), job_id
 
 
-def _rendezvous_port(executor: str, job_id: str, given: int | None) -> int:
+def _rendezvous_port(job_id: str, given: int | None) -> int:
     if given:
         return given
     digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
     return 20000 + int(digits) % 20000  # same on every rank of a SLURM job, differs between jobs
 
 
+def export_job_env(environ: MutableMapping[str, str], dist: DistEnv) -> None:
+    """The job process's environment for the libraries it runs: torch.distributed's env rendezvous
+    variables (this rank's place; our own code gets it as StageContext.dist) and NO_TELEMETRY."""
+    environ.update(
+        RANK=str(dist.rank),
+        WORLD_SIZE=str(dist.world_size),
+        LOCAL_RANK=str(dist.local_rank),
+        MASTER_ADDR=dist.master_addr,
+        MASTER_PORT=str(dist.master_port),
+    )
+    for key, value in NO_TELEMETRY.items():
+        environ.setdefault(key, value)
+
+
 def run_stage(
     stage: str, cfg_dict: dict[str, Any], run_dir: str, master_port: int | None = None
 ) -> dict[str, Any]:
-    """Job entry point on every rank: set up the distributed environment, run the stage, mark the ledger."""
+    """Job entry point on every rank: set up the distributed environment, run the stage, mark the ledger.
+
+    The job's facts (its place, attempt, restarts, fault specs) are read here once and handed to the stage
+    in its StageContext; nothing below reads them from the environment."""
+    from engine.runtime.fault_injection import ENV as FAULT_ENV
+
     cfg = from_dict(cfg_dict)
-    rank, world, local_rank, master, job_id = _job_environment(cfg.cluster.executor)
-    port = _rendezvous_port(cfg.cluster.executor, job_id, master_port)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(local_rank),
-        MASTER_ADDR=master,
-        MASTER_PORT=str(port),
-    )
+    dist, job_id = _job_environment(cfg.cluster.executor, master_port)
+    export_job_env(os.environ, dist)
+    rank, world = dist.rank, dist.world_size
     ledger = Ledger(Path(run_dir))
     local_group = cfg.cluster.executor == "local" and world > 1
-    attempt = _mark_started(ledger, stage, job_id, world) if rank == 0 else 0
+    attempt = _mark_started(ledger, stage, job_id, dist) if rank == 0 else 0
     try:
         ctx = stage_context(
-            stage, cfg, Path(run_dir), attempt, on_hang=(end_local_job,) if local_group else ()
+            stage,
+            cfg,
+            Path(run_dir),
+            attempt,
+            on_hang=(end_local_job,) if local_group else (),
+            dist=dist,
+            faults=os.environ.get(FAULT_ENV, ""),
         )
         out = _call_stage(stage, cfg, ctx)
     except BaseException as e:
@@ -302,7 +331,7 @@ def end_local_job() -> None:
             continue
 
 
-def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> int:
+def _mark_started(ledger: Ledger, stage: str, job_id: str, dist: DistEnv) -> int:
     """Rank 0: the ledger says running; the event records the rendezvous and the code this job imports.
     Returns the stage's attempt number (1 = first start)."""
     rec = ledger.read(stage)
@@ -317,12 +346,12 @@ def _mark_started(ledger: Ledger, stage: str, job_id: str, world: int) -> int:
         host=socket.gethostname(),
         error=None,
     )
-    rendezvous = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    rendezvous = f"{dist.master_addr}:{dist.master_port}"
     ledger.event(
         "started",
         stage,
         job_id=job_id,
-        world_size=world,
+        world_size=dist.world_size,
         restarts=restarts,
         master=rendezvous,
         code=str(REPO_ROOT),
@@ -353,10 +382,17 @@ def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseExce
 
 
 def stage_context(
-    stage: str, cfg: PipelineConfig, run_dir: Path, attempt: int, on_hang: tuple[Callable[[], None], ...] = ()
+    stage: str,
+    cfg: PipelineConfig,
+    run_dir: Path,
+    attempt: int,
+    on_hang: tuple[Callable[[], None], ...] = (),
+    dist: DistEnv | None = None,
+    faults: str = "",
 ) -> StageContext:
     """What the job hands its stage besides the config: paths, plan, and the job's facts (ledger attempt,
-    SLURM restarts, whether it may requeue itself, what a hung rank calls before it exits)."""
+    SLURM restarts, whether it may requeue itself, what a hung rank calls before it exits, its place in the
+    job, the fault specs to inject)."""
     from engine.context import StageContext
 
     restarts = restart_count()
@@ -370,6 +406,8 @@ def stage_context(
         restarts=restarts,
         may_requeue=in_slurm_job() and restarts < cfg.cluster.max_requeues,
         on_hang=on_hang,
+        dist=dist,
+        faults=faults,
     )
 
 

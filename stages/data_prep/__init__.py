@@ -96,10 +96,9 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         return run_under_mpiexec(cfg, ctx)
     os.environ["RAYON_NUM_THREADS"] = str(cfg.data_prep.threads)  # before tokenizers starts its pool
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    world = make_world(cfg, Path(ctx.out_dir))
-    env_rank = int(os.environ.get("RANK", "0") or 0)
-    if world.size == 1 and env_rank > 0:
-        return {"rank": env_rank, "idle": "ranks without MPI do not share data prep; rank 0 did it"}
+    world = make_world(cfg, ctx.dist, Path(ctx.out_dir))
+    if world.size == 1 and ctx.rank > 0:
+        return {"rank": ctx.rank, "idle": "ranks without MPI do not share data prep; rank 0 did it"}
     out = Path(ctx.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.data.corpus == "sources":

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engine.context import StageContext
+from engine.context import DistEnv, StageContext
 from pipeline.records.files import atomic_write_bytes
 from pipeline.records.files import atomic_write_text as _atomic_write
 from pipeline.schema.config import PipelineConfig
@@ -65,9 +65,9 @@ class World:
         return [value] if self.comm is None else list(self.comm.allgather(value))
 
 
-def _job_nonce() -> str:
+def _job_nonce(dist: DistEnv) -> str:
     """Names one launch of the job (every rank sees the same rendezvous address and port)."""
-    return f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}".replace("/", "_")
+    return f"{dist.master_addr}-{dist.master_port}".replace("/", "_")
 
 
 class FileWorld(World):
@@ -116,6 +116,7 @@ _MPI_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 
 
 def under_mpi() -> bool:
+    """Started by an MPI launcher with more than one rank (its own contract: mpi4py reads the same)."""
     return any(int(os.environ.get(k, "1") or 1) > 1 for k in _MPI_ENV)
 
 
@@ -168,17 +169,19 @@ def mpi_rank_main(work: Path, main: Callable[[PipelineConfig, StageContext], dic
     a = json.loads((work / "context.json").read_text())
     ctx = StageContext(run_dir=Path(a["run_dir"]), stage=a["stage"], out_dir=Path(a["out_dir"]))
     out = main(cfg, ctx)
-    if make_world(cfg).rank == 0:
+    if make_world(cfg, None).rank == 0:
         _atomic_write(work / "result.json", json.dumps(out, default=str))
 
 
-def make_world(cfg: PipelineConfig, out: Path | None = None) -> World:
-    env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+def make_world(cfg: PipelineConfig, dist: DistEnv | None, out: Path | None = None) -> World:
+    """This process's data-prep world: MPI's, else the launcher's ranks meeting through files under ``out``
+    (``dist``: the job's place from StageContext.dist; None: one process)."""
+    job_world = dist.world_size if dist else 1
     mpi = under_mpi()
-    if not mpi and env_world > 1 and cfg.data.corpus == "sources" and out is not None:
-        return FileWorld(int(os.environ.get("RANK", "0") or 0), env_world, out / f".world-{_job_nonce()}")
+    if not mpi and dist is not None and job_world > 1 and cfg.data.corpus == "sources" and out is not None:
+        return FileWorld(dist.rank, job_world, out / f".world-{_job_nonce(dist)}")
     if not mpi:
-        if (cfg.data_prep.parallel.dp or 1) > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
+        if (cfg.data_prep.parallel.dp or 1) > 1 and job_world == 1:
             warnings.warn(
                 "data_prep.parallel.dp > 1 but not launched by mpiexec: tokenizing on one rank", stacklevel=2
             )

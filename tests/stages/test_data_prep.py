@@ -276,3 +276,17 @@ def test_mpi_two_ranks_byte_identical(prepared: tuple[PipelineConfig, Path, dict
     assert sorted(r.get("ranks", 0) for r in results) == [0, 2]
     for n in OUTPUTS:
         assert (two / n).read_bytes() == (out / n).read_bytes(), n
+
+
+def test_launcher_ranks_meet_through_files_by_their_context(tmp_path: Path) -> None:
+    """The ranks' place comes from StageContext.dist (the launcher), not from the environment."""
+    from engine.context import DistEnv
+    from stages.data_prep.world import FileWorld, make_world
+
+    cfg = PipelineConfig()
+    cfg.data.corpus = "sources"
+    world = make_world(cfg, DistEnv(1, 2, 1, "node0", 20001), tmp_path)
+    assert isinstance(world, FileWorld) and (world.rank, world.size) == (1, 2)
+    assert world.folder == tmp_path / ".world-node0-20001"
+    single = make_world(cfg, None, tmp_path)
+    assert not isinstance(single, FileWorld) and (single.rank, single.size) == (0, 1)
