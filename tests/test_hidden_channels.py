@@ -19,7 +19,7 @@ ALLOWED = {
     "engine/runtime/host_memory.py": "the allocator tuning the user chose (MALLOC_*, GLIBC_TUNABLES, LD_PRELOAD) "
     "is left alone: glibc's knobs, not ours",
     "engine/callbacks/wandb.py": "the wandb library's WANDB_MODE / WANDB_API_KEY (offline without a key)",
-    "engine/convert/export.py": "passes this process's environment on to its child (plus PYTHONPATH)",
+    "engine/convert/hf_export.py": "passes this process's environment on to its child (plus PYTHONPATH)",
     "stages/export.py": "passes the job's environment on to the export command (plus OMP_NUM_THREADS)",
     "stages/data_prep/world.py": "the MPI launcher's contract (PMI_SIZE, ...: whether to import mpi4py) and "
     "the mpiexec child's environment",

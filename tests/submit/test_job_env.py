@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from engine.context import DistEnv, StageContext
-from pipeline.schema.config import load_config
+from pipeline.schema.compose import load_config
 from pipeline.submit import launch
 
 JOB_VARS = (
