@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.records.alarms import read_alarms
+from pipeline.records.alarm_log import read_alarms
 from pipeline.records.ledger import Ledger, read_metrics
 from pipeline.reporting.svg import PALETTE, Series, line_chart
 from pipeline.schema.graph import STAGES, TRAIN_STAGES

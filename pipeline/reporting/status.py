@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.records.alarms import format_alarm, read_alarms
+from pipeline.records.alarm_log import format_alarm, read_alarms
 from pipeline.records.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, Ledger, StageRecord, accounting
 from pipeline.schema.graph import STAGES, upstream
 from pipeline.slurm.queries import job_state

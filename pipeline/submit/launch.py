@@ -19,7 +19,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.records.alarms import forward_alarms
+from pipeline.records.alarm_log import forward_alarms
 from pipeline.records.ledger import (
     CANCELLED,
     COMPLETED,

@@ -213,7 +213,7 @@ def _fake_run(tmp_path: Path) -> Path:
 
 
 def test_alarms_appear_in_status_and_are_forwarded_to_events_once(tmp_path: Path) -> None:
-    from pipeline.records.alarms import forward_alarms
+    from pipeline.records.alarm_log import forward_alarms
 
     run = _fake_run(tmp_path)
     r = subprocess.run(
