@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.callbacks.lines import LineSink, kept_run_id
 from engine.callbacks.tensorboard import scalars
 from engine.train.callback import Callback, StageInfo, StepView
-from pipeline.records.files import atomic_write_text
 from pipeline.schema.stage_sections import MonitorConfig
 
 
@@ -36,7 +36,7 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-class MLflow(Callback):
+class MLflow(LineSink):
     def __init__(
         self,
         uri: str,
@@ -67,19 +67,15 @@ class MLflow(Callback):
                 f"{view.stage.name}.monitor.sinks has mlflow but it is not installed (pip install '.[mlflow]')"
             ) from e
         client = MlflowClient(tracking_uri=self.uri)
-        path = self.dir / "run_id"
-        rid = path.read_text().strip() if path.exists() else None
-        if rid is None:
-            run = client.create_run(
-                self._experiment_id(client), run_name=self.name, tags={"stage": self.name}
-            )
-            rid = run.info.run_id
-            self.dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, rid + "\n")
-        else:  # a resumed stage: the same run, running again
+        rid, resumed = kept_run_id(self.dir, lambda: self._new_run(client))
+        if resumed:  # the same run, running again
             client.update_run(rid, status="RUNNING")
         self.client, self.run_id = client, rid
         self._log_params()
+
+    def _new_run(self, client: Any) -> str:
+        run = client.create_run(self._experiment_id(client), run_name=self.name, tags={"stage": self.name})
+        return str(run.info.run_id)
 
     def _experiment_id(self, client: Any) -> str:
         from mlflow.exceptions import MlflowException
@@ -114,16 +110,6 @@ class MLflow(Callback):
         metrics = [Metric(f"{prefix}/{k}", v, now, view.step) for k, v in scalars(view.metrics).items()]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
-
-    def on_step_end(self, view: StepView) -> None:
-        if view.logged:
-            self._log("train", view)
-
-    def on_eval(self, view: StepView) -> None:
-        self._log("valid", view)
-
-    def on_save(self, view: StepView) -> None:
-        self._log("checkpoint", view)
 
     def on_stop(self, view: StepView) -> None:
         self.status = "KILLED"

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.callbacks.lines import LineSink, kept_run_id
 from engine.callbacks.tensorboard import scalars
 from engine.train.callback import Callback, StageInfo, StepView
-from pipeline.records.files import atomic_write_text
 from pipeline.schema.stage_sections import MonitorConfig
 
 
@@ -25,7 +25,7 @@ def mode() -> str:
     return os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
 
 
-class WandB(Callback):
+class WandB(LineSink):
     def __init__(self, out_dir: Path, project: str, group: str, name: str, config: Mapping[str, Any]) -> None:
         self.dir = Path(out_dir) / "wandb"
         self.project, self.group, self.name, self.config = project, group, name, dict(config)
@@ -33,13 +33,7 @@ class WandB(Callback):
 
     def run_id(self) -> str:
         """The stage's W&B run id: stored on first use, reused on resume."""
-        path = self.dir / "run_id"
-        if path.exists():
-            return path.read_text().strip()
-        rid = uuid.uuid4().hex[:12]
-        self.dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, rid + "\n")
-        return rid
+        return kept_run_id(self.dir, lambda: uuid.uuid4().hex[:12])[0]
 
     def on_train_start(self, view: StepView) -> None:
         try:
@@ -66,16 +60,6 @@ class WandB(Callback):
     def _log(self, prefix: str, view: StepView) -> None:
         if self.run is not None:
             self.run.log({f"{prefix}/{k}": v for k, v in scalars(view.metrics).items()}, step=view.step)
-
-    def on_step_end(self, view: StepView) -> None:
-        if view.logged:
-            self._log("train", view)
-
-    def on_eval(self, view: StepView) -> None:
-        self._log("valid", view)
-
-    def on_save(self, view: StepView) -> None:
-        self._log("checkpoint", view)
 
     def close(self) -> None:
         if self.run is not None:
