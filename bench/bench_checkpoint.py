@@ -57,8 +57,9 @@ def _engine(spec: dict[str, Any]) -> Any:
     from engine.checkpoint.manager import Checkpointer
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
+    from engine.train.optimizer import build_optimizer
     from engine.train.steps import make_step
-    from engine.train.trainer import Trainer, build_optimizer
+    from engine.train.trainer import LoopServices, Trainer
     from pipeline.schema.config import ModelConfig, TrainStage
     from pipeline.schema.sections import ParallelConfig
     from tests.support.synthetic import SyntheticSource
@@ -78,7 +79,9 @@ def _engine(spec: dict[str, Any]) -> Any:
         stage=stage,
         seq_length=model.seq_length,
         train_source=source,
-        checkpointer=Checkpointer(Path(spec["ckpt"]), save_interval=10**9, keep_last=2),
+        services=LoopServices(
+            checkpointer=Checkpointer(Path(spec["ckpt"]), save_interval=10**9, keep_last=2)
+        ),
     )
     trainer.train_step(0)
     return trainer

@@ -38,8 +38,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
+    from engine.train.optimizer import build_optimizer
     from engine.train.steps import make_step
-    from engine.train.trainer import Trainer, build_optimizer
+    from engine.train.trainer import Trainer
     from pipeline.schema.config import ModelConfig, TrainStage
     from pipeline.schema.sections import ParallelConfig
     from pipeline.schema.stage_sections import PeftConfig

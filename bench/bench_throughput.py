@@ -169,8 +169,9 @@ def engine_trainer(spec: dict[str, Any]) -> Any:
     """engine's init, model, optimizer and Trainer on a synthetic source (``D.shutdown()`` after use)."""
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
+    from engine.train.optimizer import build_optimizer
     from engine.train.steps import make_step
-    from engine.train.trainer import Trainer, build_optimizer
+    from engine.train.trainer import Trainer
     from pipeline.schema.config import ModelConfig, TrainStage
     from pipeline.schema.sections import ParallelConfig
     from tests.support.synthetic import SyntheticSource

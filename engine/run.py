@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,10 +23,16 @@ from pipeline.schema.graph import weights_upstream
 
 if TYPE_CHECKING:
     from engine.checkpoint.manager import Checkpointer
+    from engine.runtime.fault_injection import FaultInjector
+    from engine.train.step import Step
+    from engine.train.trainer import Trainer
+    from engine.train.units import TrainUnit
 
 Sources = Callable[..., tuple[Any, Any]]
 InitWeights = Callable[["Checkpointer", list[Any]], bool]
 """A stage's own loading of its starting weights: ``(checkpointer, chunks) -> loaded``."""
+UnitFactory = Callable[["StageEnv"], tuple["TrainUnit", Any]]
+"""``unit(env)``: the stage's ``(TrainUnit, valid_source)`` (``train_stage(unit=...)``)."""
 
 
 @dataclass
@@ -39,7 +46,7 @@ class StageEnv:
     seq_length: int
     policy: list[Any]
     """The trained policy's chunks (its weights are loaded later, by the trainer's restore)."""
-    checkpointer: Any
+    checkpointer: Checkpointer
 
     def frozen_model(self, weights: str = "init_from") -> list[Any]:
         """A frozen model of the same architecture and layout: ``init_from`` weights (the policy before
@@ -111,13 +118,26 @@ def data_dir(ctx: StageContext) -> Path:
     return ctx.inputs["data_prep"]
 
 
+@dataclass
+class BuiltStage:
+    """A training stage assembled by ``build_stage``, ready for ``train_stage`` to restore and run."""
+
+    trainer: Trainer
+    checkpointer: Checkpointer
+    metrics: MetricsWriter
+    weights_loaded: bool
+    """The stage loaded its starting weights itself (``init_weights``): a fresh start skips init_from."""
+    marks: dict[str, float]
+    """Wall times at the end of each start-up part (``startup_record``)."""
+
+
 def train_stage(
     cfg: PipelineConfig,
     ctx: StageContext,
     *,
-    step: Any,
+    step: Step,
     sources: Sources | None = None,
-    unit: Callable[[StageEnv], tuple[Any, Any]] | None = None,
+    unit: UnitFactory | None = None,
     init_weights: InitWeights | None = None,
 ) -> dict[str, Any]:
     """Run one training stage on this rank; returns rank-0 outputs (checkpoint, final_loss, steps, ...).
@@ -125,101 +145,127 @@ def train_stage(
     ``init_weights(checkpointer, chunks)``: the stage loads its starting weights itself (before its
     sources are built) and returns whether it did; then a fresh start does not load init_from again.
     """
+    from engine.checkpoint.latest import find_latest
+    from engine.models.gpt import num_parameters
+    from engine.runtime import distributed as D
+    from engine.runtime.oom import oom_report
+
+    with ExitStack() as cleanup:
+        built = build_stage(cfg, ctx, step, cleanup, sources=sources, unit=unit, init_weights=init_weights)
+        trainer, marks = built.trainer, built.marks
+        trainer.restore(init_weights=not built.weights_loaded, attempt=ctx.attempt)
+        marks["restore"] = time.time()
+        if D.is_rank0():
+            built.metrics.write(startup_record(marks))
+        with oom_report(cfg, ctx, built.metrics):
+            summary = trainer.fit()
+        latest = summary["checkpoint"] or find_latest(ctx.checkpoint_dir)
+        init_from = built.checkpointer.init_from
+        return {
+            **summary,
+            "checkpoint": str(latest) if latest else None,
+            "params_per_rank": num_parameters(trainer.chunks),
+            "init_from": str(init_from) if init_from else None,
+        }
+
+
+def build_stage(
+    cfg: PipelineConfig,
+    ctx: StageContext,
+    step: Step,
+    cleanup: ExitStack,
+    *,
+    sources: Sources | None = None,
+    unit: UnitFactory | None = None,
+    init_weights: InitWeights | None = None,
+) -> BuiltStage:
+    """Signals, distributed init, model, optimizer, checkpointer, data (sources or unit), callbacks and the
+    Trainer, in this order (the RNG draws follow it); ``cleanup`` gets what undoes them at the stage's end."""
     from engine.callbacks.setup import flops_per_step, peak_tflops, stage_callbacks
     from engine.checkpoint.integrity import set_verify_mode
-    from engine.checkpoint.latest import find_latest
-    from engine.checkpoint.manager import Checkpointer
     from engine.data.datasets import load_tokenizer
-    from engine.models.gpt import build_model, num_parameters
+    from engine.models.gpt import build_model
     from engine.runtime import distributed as D
     from engine.runtime.fault_injection import FaultInjector
-    from engine.runtime.oom import oom_report
     from engine.runtime.signals import StopFlag, Watchdog
     from engine.train.meter import StepMeter
-    from engine.train.trainer import Trainer, build_optimizer
+    from engine.train.optimizer import build_optimizer
+    from engine.train.trainer import LoopServices, Trainer
 
     st = _stage_cfg(cfg, ctx.stage)
-    par = st.parallel
-    plan = ctx.plan
-    started = {"imports": time.time()}
+    par, plan = st.parallel, ctx.plan
+    marks = {"imports": time.time()}
     stop_flag = StopFlag().install()  # before init: a signal during start-up is not lost
     watchdog = Watchdog(st.hang_timeout_s, may_requeue=ctx.may_requeue, on_hang=ctx.on_hang).start()
     D.init(par.tp, par.pp, plan.vpp if plan else par.vpp, seed=st.seed, threads=st.threads, env=ctx.dist)
     faults = FaultInjector(ctx.out_dir, D.rank(), ctx.faults)
+    cleanup.callback(_shutdown, watchdog, stop_flag)
     set_verify_mode(st.checkpoint_verify)
-    started["init"] = time.time()
-    callbacks = None
-    try:
-        tokenizer = load_tokenizer(data_dir(ctx) / "tokenizer.json")
-        chunks = build_model(
-            cfg.model,
-            par,
-            tokenizer.vocab_size,
-            peft=getattr(st, "peft", None),
-            customize=getattr(step, "customize_model", None),
-        )
-        started["model"] = time.time()
-        optimizer, scheduler = build_optimizer(chunks, st, par)
-        ckpt = Checkpointer(
-            ctx.checkpoint_dir,
-            st.save_interval,
-            resolve_init_from(cfg, ctx),
-            st.keep_last,
-            st.async_save,
-            keep_incomplete=st.keep_incomplete,
-            peft=st.peft if st.peft.method == "lora" else None,
-            faults=faults,
-        )
-        seq_length = st.seq_length or cfg.model.seq_length
-        weights_loaded = init_weights(ckpt, chunks) if init_weights is not None else False
-        train_unit = None
-        if unit is not None:
-            env = StageEnv(cfg, ctx, st, tokenizer, seq_length, chunks, ckpt)
-            train_unit, valid_source = unit(env)
-            train_source = train_unit.source
-        elif sources is not None:
-            train_source, valid_source = sources(tokenizer, st, seq_length, chunks, ckpt)
-        else:
-            raise ValueError("train_stage: give sources or unit")
-        metrics = MetricsWriter(ctx.metrics_path, enabled=D.is_rank0())
-        callbacks = stage_callbacks(cfg, ctx, st, metrics, D.rank(), D.world_size())
-        flops = flops_per_step(cfg, st, seq_length, tokenizer.vocab_size, step.sequences_per_sample)
-        meter = StepMeter(flops, peak_tflops(cfg), D.world_size())
-        trainer = Trainer(
-            chunks,
-            optimizer,
-            scheduler,
-            step,
-            stage=st,
-            seq_length=seq_length,
-            train_source=train_source,
-            valid_source=valid_source,
-            unit=train_unit,
-            metrics=metrics,
-            checkpointer=ckpt,
-            faults=faults,
-            stop_flag=stop_flag,
-            watchdog=watchdog,
-            callbacks=callbacks,
-            meter=meter,
-        )
-        started["data"] = time.time()
-        trainer.restore(init_weights=not weights_loaded, attempt=ctx.attempt)
-        started["restore"] = time.time()
-        if D.is_rank0():
-            metrics.write(startup_record(started))
-        with oom_report(cfg, ctx, metrics):
-            summary = trainer.fit()
-        latest = summary["checkpoint"] or find_latest(ctx.checkpoint_dir)
-        return {
-            **summary,
-            "checkpoint": str(latest) if latest else None,
-            "params_per_rank": num_parameters(chunks),
-            "init_from": str(ckpt.init_from) if ckpt.init_from else None,
-        }
-    finally:
-        if callbacks is not None:
-            callbacks.close()
-        watchdog.stop()
-        stop_flag.uninstall()
-        D.shutdown()
+    marks["init"] = time.time()
+    tokenizer = load_tokenizer(data_dir(ctx) / "tokenizer.json")
+    chunks = build_model(cfg.model, par, tokenizer.vocab_size, peft=st.peft, customize=step.customize_model)
+    marks["model"] = time.time()
+    optimizer, scheduler = build_optimizer(chunks, st, par)
+    ckpt = _checkpointer(cfg, ctx, st, faults)
+    seq_length = st.seq_length or cfg.model.seq_length
+    weights_loaded = init_weights(ckpt, chunks) if init_weights is not None else False
+    if unit is not None:
+        train_unit, valid_source = unit(StageEnv(cfg, ctx, st, tokenizer, seq_length, chunks, ckpt))
+        train_source = train_unit.source
+    elif sources is not None:
+        train_unit, (train_source, valid_source) = None, sources(tokenizer, st, seq_length, chunks, ckpt)
+    else:
+        raise ValueError("train_stage: give sources or unit")
+    metrics = MetricsWriter(ctx.metrics_path, enabled=D.is_rank0())
+    callbacks = stage_callbacks(cfg, ctx, st, metrics, D.rank(), D.world_size())
+    cleanup.callback(callbacks.close)
+    flops = flops_per_step(cfg, st, seq_length, tokenizer.vocab_size, step.sequences_per_sample)
+    services = LoopServices(
+        metrics=metrics,
+        checkpointer=ckpt,
+        faults=faults,
+        stop_flag=stop_flag,
+        watchdog=watchdog,
+        callbacks=callbacks,
+        meter=StepMeter(flops, peak_tflops(cfg), D.world_size()),
+    )
+    trainer = Trainer(
+        chunks,
+        optimizer,
+        scheduler,
+        step,
+        stage=st,
+        seq_length=seq_length,
+        train_source=train_source,
+        valid_source=valid_source,
+        unit=train_unit,
+        services=services,
+    )
+    marks["data"] = time.time()
+    return BuiltStage(trainer, ckpt, metrics, weights_loaded, marks)
+
+
+def _checkpointer(
+    cfg: PipelineConfig, ctx: StageContext, st: TrainStage, faults: FaultInjector
+) -> Checkpointer:
+    from engine.checkpoint.manager import Checkpointer
+
+    return Checkpointer(
+        ctx.checkpoint_dir,
+        st.save_interval,
+        resolve_init_from(cfg, ctx),
+        st.keep_last,
+        st.async_save,
+        keep_incomplete=st.keep_incomplete,
+        peft=st.peft if st.peft.method == "lora" else None,
+        faults=faults,
+    )
+
+
+def _shutdown(watchdog: Any, stop_flag: Any) -> None:
+    """Undo the stage's start (after its callbacks are closed): the watchdog, the signal handlers, distributed."""
+    from engine.runtime import distributed as D
+
+    watchdog.stop()
+    stop_flag.uninstall()
+    D.shutdown()

@@ -14,8 +14,6 @@ MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
 ALLOWED: dict[str, str] = {
-    "engine/run.py::train_stage": "builds every piece of a training stage, then runs it; to split into a builder "
-    "and the run",
     "slurm/cluster.py": "the local test cluster (configs, daemons, lifecycle) in one script; to split",
     "slurm/cluster.py::Cluster._write_configs": "writes slurm.conf, cgroup.conf and the rest as one template; to "
     "split per file",

@@ -8,6 +8,7 @@ data-parallel gradients are never reduced). Call it after ``engine.runtime.distr
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -161,7 +162,7 @@ def build_model(
     *,
     trainable: bool = True,
     peft: Any = None,
-    customize: Any = None,
+    customize: Callable[[Any], Any] | None = None,
 ) -> list[Any]:
     """This rank's model chunks (len = vpp or 1), in DDP, ready for get_megatron_optimizer.
 

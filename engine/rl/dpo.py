@@ -21,16 +21,16 @@ import torch.nn.functional as F
 from engine.data.datasets import sample_range
 from engine.rl.registry import Algorithm, RLInputs, register
 from engine.runtime import distributed as D
+from engine.train.step import Step
 from engine.train.steps import Batch, LossOut, _next_batch, _per_token_nll, _report
-from engine.train.trainer import SampleSource
-from engine.train.units import TrainUnit, micro_batches, run_micro_batches
+from engine.train.units import SampleSource, TrainUnit, micro_batches, run_micro_batches
 from pipeline.records.files import atomic_write
 from pipeline.schema.config import TrainStage
 
 REFERENCE_FILE = "reference_logps.npy"
 
 
-class DPOStep:
+class DPOStep(Step):
     """Direct preference optimisation against precomputed reference log-probs (``ref_logp``).
 
     loss = -logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), log-probs summed over response tokens;

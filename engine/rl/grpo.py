@@ -47,10 +47,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.rl.policy import LogpStep, clipped_policy_loss, kl_k3, model_logits, token_logps
+from engine.rl.policy import LogpStep, ScoreStep, clipped_policy_loss, kl_k3, model_logits, token_logps
 from engine.rl.registry import Algorithm, RLInputs, register
 from engine.rl.rollout import PromptStream, rollout_rows, sample_seed
 from engine.runtime import distributed as D
+from engine.train.step import Step
 from engine.train.steps import Batch, LossOut, _next_batch, _report
 from engine.train.units import NamedModel, TrainUnit, as_tensors, local_outputs, run_micro_batches
 
@@ -70,7 +71,7 @@ def group_advantages(rewards: np.ndarray, group_size: int, eps: float = ADV_EPS)
     return adv.reshape(-1).astype(np.float32)
 
 
-class GRPOStep:
+class GRPOStep(Step):
     """GRPO's loss on a rollout micro batch: ``tokens``/``labels``/``loss_mask`` [b, s], ``advantages`` [b] (per token [b, s]: PPO),
     ``ref_logp`` [b, s] and, after the first update of a rollout, ``old_logp`` [b, s] (module docstring)."""
 
@@ -181,7 +182,9 @@ class GRPOUnit(TrainUnit):
         rows ``own``: GRPO's group-normalised ``advantages`` (group statistics over the whole batch)."""
         arrays["advantages"] = group_advantages(rewards, self.settings.group_size)[own.start : own.stop]
 
-    def _score(self, chunks: list[Any], batches: list[Batch], key: str, step: Any = None) -> None:
+    def _score(
+        self, chunks: list[Any], batches: list[Batch], key: str, step: ScoreStep | None = None
+    ) -> None:
         """Forward-only pass of ``chunks`` (in eval mode) over ``batches``; its ``key`` output into each batch."""
         t = self._t()
         step = step or LogpStep(self.settings.temperature)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from engine.train.step import Step
 from engine.train.steps import Batch, LossOut, _next_batch
 
 
@@ -46,7 +47,13 @@ def model_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens, position_ids, None)  # type: ignore[no-any-return]
 
 
-class LogpStep:
+class ScoreStep(Step, Protocol):
+    """A forward-only scoring step: its loss function reports the per-token ``output_key`` tensor [b, s]."""
+
+    output_key: str
+
+
+class LogpStep(ScoreStep):
     """Forward-only scoring: per-token log-probs [b, s] at ``temperature`` (reported as ``logps``)."""
 
     name = "logp"

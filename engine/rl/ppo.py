@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from engine.rl.grpo import GRPOStep, GRPOUnit, online_unit
-from engine.rl.policy import model_logits
+from engine.rl.policy import ScoreStep, model_logits
 from engine.rl.registry import Algorithm, RLInputs, register
 from engine.runtime import distributed as D
 from engine.train.steps import Batch, LossOut, _next_batch, _report
@@ -100,7 +100,7 @@ class PPOStep(GRPOStep):
         super().__init__(beta=0.0, clip_eps=clip_eps, temperature=temperature)
 
 
-class ValueStep:
+class ValueStep(ScoreStep):
     """The critic: per-token values [b, s] (the reward model's head at every position,
     engine.models.reward.token_values). With ``returns`` and ``old_values`` in the batch: the clipped
     value loss over response tokens (``clipped_value_loss``); without: forward-only scoring (``values``)."""
@@ -242,7 +242,7 @@ def critic_model(env: Any) -> NamedModel:
 
     from engine.models.reward import build
     from engine.rl.frozen_reward import load_backbone
-    from engine.train.trainer import build_optimizer
+    from engine.train.optimizer import build_optimizer
 
     st = env.stage
     chunks = build(env.cfg.model, st.parallel, env.tokenizer.vocab_size, trainable=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.train.step import Step
 from pipeline.schema import rl as declared
 
 
@@ -36,7 +37,7 @@ class Algorithm:
     """One algorithm's engine side: its training step and its unit (engine.train.units) for the stage."""
 
     name: str
-    step: Callable[[Any], Any]
+    step: Callable[[Any], Step]
     """``step(rlhf_settings)``: the step (engine.train.steps shape) the trainer runs."""
     unit: Callable[[Any, RLInputs], tuple[Any, Any]]
     """``unit(env, inputs)``: ``(TrainUnit, valid_source)`` for ``train_stage(unit=...)``."""

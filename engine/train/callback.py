@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal, get_args
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,9 @@ class Callback:
     def close(self) -> None: ...
 
 
-HOOKS = ("on_train_start", "on_step_end", "on_eval", "on_save", "on_stop", "on_train_end", "close")
+Hook = Literal["on_train_start", "on_step_end", "on_eval", "on_save", "on_stop", "on_train_end", "close"]
+"""The names of ``Callback``'s methods: ``Callbacks.emit`` calls one by name on every callback."""
+HOOKS: tuple[Hook, ...] = get_args(Hook)
 
 
 class Callbacks:
@@ -98,7 +100,7 @@ class Callbacks:
         return bool(self.callbacks)
 
     def emit(
-        self, hook: str, step: int, metrics: Mapping[str, Any] | None = None, logged: bool = False
+        self, hook: Hook, step: int, metrics: Mapping[str, Any] | None = None, logged: bool = False
     ) -> None:
         if not self.callbacks:
             return
@@ -111,7 +113,7 @@ class Callbacks:
             self._call(cb, "close", None)
         self.callbacks = []
 
-    def _call(self, cb: Callback, hook: str, v: StepView | None) -> None:
+    def _call(self, cb: Callback, hook: Hook, v: StepView | None) -> None:
         try:
             getattr(cb, hook)(*(() if v is None else (v,)))
         except Exception as e:  # a sink never stops training

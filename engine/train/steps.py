@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from engine.runtime import distributed as D
+from engine.train.step import Batch, LossOut, Step
 
-Batch = dict[str, torch.Tensor]
-LossOut = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+__all__ = ["STEPS", "Batch", "LossOut", "PretrainStep", "RewardStep", "SFTStep", "make_step"]
 
 
 def _next_batch(data_iterator: Iterator[Batch]) -> Batch:
@@ -50,7 +50,7 @@ def _report(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return torch.stack([total.detach().float(), count.detach().float()])
 
 
-class PretrainStep:
+class PretrainStep(Step):
     """Next-token loss on tokens where ``loss_mask`` is 1 (the data shifts labels by one)."""
 
     name = "pretrain"
@@ -78,7 +78,7 @@ class SFTStep(PretrainStep):
     name = "sft"
 
 
-class RewardStep:
+class RewardStep(Step):
     """Bradley–Terry reward-model training: ``loss = -log sigmoid(r(chosen) - r(rejected))`` per pair, with
     r the scalar head on the final hidden state at the last response token (``engine.models.reward``).
 
@@ -90,8 +90,7 @@ class RewardStep:
     sequences_per_sample = 2
     metric_names: tuple[str, ...] = ("loss", "accuracy", "margin")
 
-    @staticmethod
-    def customize_model(gpt: Any) -> Any:
+    def customize_model(self, gpt: Any) -> Any:
         from engine.models.reward import attach_head
 
         return attach_head(gpt)
@@ -129,14 +128,14 @@ class RewardStep:
         )
 
 
-STEPS: dict[str, Callable[..., Any]] = {
+STEPS: dict[str, Callable[..., Step]] = {
     "pretrain": PretrainStep,
     "sft": SFTStep,
     "reward": RewardStep,
 }
 
 
-def make_step(name: str, **kwargs: Any) -> Any:
+def make_step(name: str, **kwargs: Any) -> Step:
     """A step by name (``STEPS``), e.g. ``make_step("pretrain")``; the RL steps are engine.rl's (engine.rl.registry)."""
     if name not in STEPS:
         raise ValueError(f"algorithm={name!r}: must be one of {sorted(STEPS)}")

@@ -15,10 +15,10 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import torch
 
 from engine.checkpoint.manager import Checkpointer
@@ -29,105 +29,32 @@ from engine.runtime.signals import Preempted, StopFlag, Watchdog
 from engine.train.bad_steps import BadStepError, BadStepGuard, reason_code, reason_from_code
 from engine.train.callback import Callbacks
 from engine.train.meter import StepMeter
-from engine.train.steps import Batch
-from engine.train.units import TrainUnit, micro_batches, run_micro_batches
+from engine.train.step import Batch, ForwardStep, Step
+from engine.train.units import SampleSource, TrainUnit, micro_batches, run_micro_batches
 from pipeline.records.files import atomic_write_text
 from pipeline.schema.config import TrainStage
-from pipeline.schema.sections import ParallelConfig
-
-__all__ = ["micro_batches", "run_micro_batches"]  # defined in engine.train.units, used here and by callers
 
 log = logging.getLogger(__name__)
 
 
-class SampleSource(Protocol):
-    def __len__(self) -> int: ...
+@dataclass(frozen=True)
+class LoopServices:
+    """What the loop reports to and is stopped by, besides the step and its data; each optional."""
 
-    def __getitem__(self, i: int) -> dict[str, np.ndarray]: ...
-
-
-# ---------------------------------------------------------------------------- optimizer and schedule
-
-
-def build_optimizer(chunks: list[Any], stage: TrainStage, par: ParallelConfig) -> tuple[Any, Any]:
-    """megatron AdamW (+ loss scaling for fp16) and a linear-warmup, cosine-to-min_lr schedule (units: steps)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    config = OptimizerConfig(
-        optimizer="adam",
-        lr=stage.lr,
-        min_lr=stage.min_lr,
-        weight_decay=stage.weight_decay,
-        adam_beta1=stage.adam_beta1,
-        adam_beta2=stage.adam_beta2,
-        clip_grad=stage.clip_grad,
-        bf16=par.precision == "bf16",
-        fp16=par.precision == "fp16",
-        params_dtype=torch.float32,
-        use_distributed_optimizer=par.distributed_optimizer,
-    )
-    optimizer = get_megatron_optimizer(config, chunks)
-    # The schedules multiply the loss by the loss scale only through config.grad_scale_func (Megatron-LM's
-    # training loop sets it; megatron-core does not): without it fp16 gradients come out divided by the
-    # loss scale (2^32 at first) and the model does not learn.
-    from megatron.core.utils import get_model_config
-
-    get_model_config(chunks[0]).grad_scale_func = optimizer.scale_loss
-    fuse_cpu_adam(optimizer)
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=stage.lr,
-        min_lr=stage.min_lr,
-        lr_warmup_steps=stage.warmup_iters,
-        lr_decay_steps=stage.iters,
-        lr_decay_style="cosine",
-        start_wd=stage.weight_decay,
-        end_wd=stage.weight_decay,
-        wd_incr_steps=stage.iters,
-        wd_incr_style="constant",
-    )
-    return optimizer, scheduler
-
-
-def fuse_cpu_adam(optimizer: Any) -> int:
-    """Switch megatron's torch AdamW fallback (no TE, no apex) to torch's fused kernel where its params are on CPU.
-
-    Without TE or apex megatron builds ``torch.optim.AdamW`` with torch's default for CPU parameters, a Python
-    loop over parameters of about ten tensor ops each; ``fused=True`` runs one C++ kernel per parameter with
-    the same update (equal within fp32 rounding). Measured with the 4.4x shape's 5.8M parameters, 2 threads:
-    9.4 ms -> 2.6 ms per step. GPU parameters keep torch's default. The flag lives in the param groups, which a
-    checkpoint's ``load_state_dict`` replaces, so a load post-hook sets it again. Returns the number of
-    torch optimizers switched.
-    """
-    switched = 0
-    for inner in _torch_optimizers(optimizer):
-        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or any(
-            p.device.type != "cpu" for g in inner.param_groups for p in g["params"]
-        ):
-            continue
-        _set_fused(inner)
-        inner.register_load_state_dict_post_hook(_set_fused)
-        switched += 1
-    return switched
-
-
-def _torch_optimizers(optimizer: Any) -> list[Any]:
-    chained = getattr(optimizer, "chained_optimizers", None)
-    return [getattr(o, "optimizer", None) for o in (chained if chained is not None else [optimizer])]
-
-
-def _set_fused(inner: Any) -> None:
-    for group in inner.param_groups:
-        if not group.get("differentiable"):
-            group["foreach"], group["fused"] = False, True
-
-
-# ---------------------------------------------------------------------------- data
-
-
-# ---------------------------------------------------------------------------- the loop
+    metrics: MetricsWriter | None = None
+    """The stage's metrics.jsonl (rank 0 writes); None: nowhere."""
+    checkpointer: Checkpointer | None = None
+    """Resume, init_from and saves (engine.checkpoint.manager); None: no checkpoints."""
+    faults: FaultInjector | None = None
+    """Injected faults (engine.runtime.fault_injection): the ``nan`` fault poisons a step's loss."""
+    stop_flag: StopFlag | None = None
+    """Set by a signal: the loop saves and stops at the next step boundary."""
+    watchdog: Watchdog | None = None
+    """Beaten every step (a hang detector)."""
+    callbacks: Callbacks | None = None
+    """Sinks and alarms (engine.callbacks): called at train start/end, step end, eval, save, stop."""
+    meter: StepMeter | None = None
+    """Time split of each step, TFLOP/s, MFU and memory in the train lines (engine.train.meter)."""
 
 
 class Trainer:
@@ -138,20 +65,14 @@ class Trainer:
         chunks: list[Any],
         optimizer: Any,
         scheduler: Any,
-        step: Any,
+        step: Step,
         *,
         stage: TrainStage,
         seq_length: int,
         train_source: SampleSource | None = None,
         valid_source: SampleSource | None = None,
         unit: TrainUnit | None = None,
-        metrics: MetricsWriter | None = None,
-        checkpointer: Checkpointer | None = None,
-        faults: FaultInjector | None = None,
-        stop_flag: StopFlag | None = None,
-        watchdog: Watchdog | None = None,
-        callbacks: Callbacks | None = None,
-        meter: StepMeter | None = None,
+        services: LoopServices | None = None,
     ) -> None:
         par = stage.parallel
         if par.global_batch_size % (par.micro_batch_size * D.dp_size()):
@@ -167,13 +88,12 @@ class Trainer:
         self.unit = unit or TrainUnit(train_source)
         """What each step trains (engine.train.units): the updates of a step, other named models, their state."""
         self.unit.bind(self)
-        self.metrics = metrics or MetricsWriter(Path("/dev/null"), enabled=False)
-        self.checkpointer = checkpointer
-        self.faults, self.stop_flag, self.watchdog = faults, stop_flag, watchdog
-        self.callbacks = callbacks or Callbacks()
-        """Sinks and alarms (engine.callbacks): called at train start/end, step end, eval, save, stop."""
-        self.meter = meter or StepMeter()
-        """Time split of each step, TFLOP/s, MFU and memory in the train lines (engine.train.meter)."""
+        services = services or LoopServices()
+        self.metrics = services.metrics or MetricsWriter(Path("/dev/null"), enabled=False)
+        self.checkpointer = services.checkpointer
+        self.faults, self.stop_flag, self.watchdog = services.faults, services.stop_flag, services.watchdog
+        self.callbacks = services.callbacks or Callbacks()
+        self.meter = services.meter or StepMeter()
         self.iteration = 0
         self.resume_info: dict[str, Any] | None = None
         self._start, self._t0, self._window = (
@@ -197,7 +117,7 @@ class Trainer:
         return self.stage.parallel.global_batch_size
 
     def _forward_backward(
-        self, batches: list[Batch], forward_only: bool, step: Any = None
+        self, batches: list[Batch], forward_only: bool, step: ForwardStep | None = None
     ) -> list[dict[str, torch.Tensor]]:
         return run_micro_batches(
             self.chunks,
@@ -572,7 +492,7 @@ class Trainer:
         return out
 
 
-def _poisoned(step: Any) -> Any:
+def _poisoned(step: ForwardStep) -> ForwardStep:
     """``step`` with its loss, and so every gradient, multiplied by NaN (the ``nan`` fault, on ranks computing a loss)."""
 
     def forward(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:

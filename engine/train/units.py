@@ -29,9 +29,16 @@ import torch
 from engine.data.datasets import collate, sample_range
 from engine.runtime import distributed as D
 from engine.train.meter import StepMeter
+from engine.train.step import Batch, ForwardStep
 from pipeline.schema.config import TrainStage
 
-Batch = dict[str, torch.Tensor]
+
+class SampleSource(Protocol):
+    """Samples by global index: dicts of numpy arrays (engine.data.sources)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]: ...
 
 
 class Loop(Protocol):
@@ -58,7 +65,7 @@ def micro_batches(source: Any, step: int, global_batch: int, micro_batch: int) -
 
 def run_micro_batches(
     chunks: list[Any],
-    step: Any,
+    step: ForwardStep,
     batches: list[Batch],
     *,
     seq_length: int,

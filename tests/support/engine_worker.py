@@ -143,8 +143,9 @@ def build_trainer(spec: dict[str, Any], model_cfg: Any, par: Any, stage: Any) ->
     from engine.models.gpt import build_model
     from engine.rl.dpo import DPOStep, WithReference, reference_logps
     from engine.runtime import distributed as D
+    from engine.train.optimizer import build_optimizer
     from engine.train.steps import make_step
-    from engine.train.trainer import Trainer, build_optimizer
+    from engine.train.trainer import LoopServices, Trainer
     from pipeline.schema.stage_sections import PeftConfig
     from tests.support.synthetic import SyntheticPreferenceSource, SyntheticSource
 
@@ -178,9 +179,7 @@ def build_trainer(spec: dict[str, Any], model_cfg: Any, par: Any, stage: Any) ->
         seq_length=seq,
         train_source=source,
         valid_source=valid,
-        metrics=metrics,
-        checkpointer=_checkpointer(spec),
-        callbacks=_callbacks(spec),
+        services=LoopServices(metrics=metrics, checkpointer=_checkpointer(spec), callbacks=_callbacks(spec)),
     )
     return chunks, trainer
 

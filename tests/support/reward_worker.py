@@ -63,8 +63,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.models.reward import HEAD, build
     from engine.rl.frozen_reward import RewardModel
     from engine.runtime import distributed as D
+    from engine.train.optimizer import build_optimizer
     from engine.train.steps import make_step
-    from engine.train.trainer import Trainer, build_optimizer
+    from engine.train.trainer import LoopServices, Trainer
     from pipeline.schema.config import ModelConfig, TrainStage
     from pipeline.schema.sections import ParallelConfig
 
@@ -99,7 +100,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             seq_length=SEQ,
             train_source=SeparablePairs(64, seed=1),
             valid_source=SeparablePairs(16, seed=2),
-            checkpointer=Checkpointer(Path(spec["ckpt"]), 1000),
+            services=LoopServices(checkpointer=Checkpointer(Path(spec["ckpt"]), 1000)),
         )
         trainer.restore(init_weights=False)
         out["summary"] = trainer.fit()

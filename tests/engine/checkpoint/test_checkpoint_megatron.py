@@ -195,8 +195,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.checkpoint.writer import finalize_async
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
+    from engine.train.optimizer import build_optimizer
     from engine.train.steps import make_step
-    from engine.train.trainer import Trainer, build_optimizer
+    from engine.train.trainer import LoopServices, Trainer
     from pipeline.schema.config import ModelConfig, TrainStage
     from pipeline.schema.sections import ParallelConfig
     from pipeline.schema.stage_sections import PeftConfig
@@ -243,8 +244,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             stage=stage,
             seq_length=model_cfg.seq_length,
             train_source=source,
-            checkpointer=DumpingCheckpointer(
-                Path(spec["root"]), stage.save_interval, spec.get("init_from"), peft=peft
+            services=LoopServices(
+                checkpointer=DumpingCheckpointer(
+                    Path(spec["root"]), stage.save_interval, spec.get("init_from"), peft=peft
+                )
             ),
         )
         t0 = time.monotonic()

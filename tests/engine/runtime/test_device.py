@@ -36,7 +36,8 @@ SCRIPT = textwrap.dedent(
     from engine.train.steps import make_step
     from tests.support.synthetic import SyntheticPreferenceSource, SyntheticSource
     from engine.rl.dpo import DPOStep, WithReference, reference_logps
-    from engine.train.trainer import Trainer, build_optimizer
+    from engine.train.optimizer import build_optimizer
+    from engine.train.trainer import Trainer
 
     D.init(1, 1, seed=1, threads=1)
     seq, vocab = 16, 64

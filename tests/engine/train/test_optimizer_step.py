@@ -43,8 +43,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
+    from engine.train.optimizer import build_optimizer, fuse_cpu_adam
     from engine.train.steps import make_step
-    from engine.train.trainer import Trainer, build_optimizer, fuse_cpu_adam
+    from engine.train.trainer import Trainer
     from pipeline.schema.config import ModelConfig, TrainStage
     from pipeline.schema.sections import ParallelConfig
     from tests.support.synthetic import SyntheticSource

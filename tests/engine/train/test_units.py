@@ -60,8 +60,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.checkpoint.save import save
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
+    from engine.train.optimizer import build_optimizer
     from engine.train.steps import make_step
-    from engine.train.trainer import Trainer, build_optimizer
+    from engine.train.trainer import Trainer
     from pipeline.schema.config import ModelConfig, TrainStage
     from pipeline.schema.sections import ParallelConfig
     from tests.engine.checkpoint.test_checkpoint_megatron import snapshot
