@@ -1,6 +1,6 @@
 """The engine's training path against a nanoGPT-style plain PyTorch GPT that uses SDPA, at two shapes.
 
-    python bench/bench_attention.py [--reps 7] [--steps 16] [--warmup 3] [--shapes demo,4.4x] [--same-process]
+    python -m bench.bench_attention [--reps 7] [--steps 16] [--warmup 3] [--shapes demo,4.4x] [--same-process]
                                     [--side-by-side]
 
 Engine: engine (megatron GPTModel, local layer spec, megatron DDP + optimizer, ``Trainer.train_step``;

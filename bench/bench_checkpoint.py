@@ -1,6 +1,6 @@
 """Checkpoint costs of the training engine: sync save, async stall, load, and time to recover after a kill.
 
-    python bench/bench_checkpoint.py [--repeats 3] [--models tiny,big] [--no-recover] [--slurm]
+    python -m bench.bench_checkpoint [--repeats 3] [--models tiny,big] [--no-recover] [--slurm]
 
 Save / stall / load (one rank, a fresh process per model, through ``engine.checkpoint.manager.Checkpointer``
 and ``engine.checkpoint`` as the trainer uses them; model and Adam state after one training step):
@@ -20,7 +20,7 @@ Kill time = the fault's marker file; ``restart`` = start of the second command; 
 metrics record (checkpoint loaded); ``first step`` = the first training step after it.
 
 Node failure on the real local SLURM cluster (``--slurm``; needs root and slurm/install.sh): runs
-tests/test_slurm_node_failure.py, which kills the emulated node under pretrain (``slurm/cluster.py
+tests/slurm/test_slurm_node_failure.py, which kills the emulated node under pretrain (``slurm/cluster.py
 kill-node``) and prints kill -> requeued -> restarted -> resumed -> first step.
 """
 
@@ -54,35 +54,18 @@ KILL_AT = 7
 
 def _engine(spec: dict[str, Any]) -> Any:
     """A one-rank Trainer with model, optimizer and a synthetic source, after one training step."""
-    from engine.checkpoint.manager import Checkpointer
-    from engine.models.gpt import build_model
     from engine.runtime import distributed as D
-    from engine.train.optimizer import build_optimizer
-    from engine.train.steps import make_step
-    from engine.train.trainer import LoopServices, Trainer
     from pipeline.schema.config import ModelConfig, TrainStage
     from pipeline.schema.sections import ParallelConfig
-    from tests.support.synthetic import SyntheticSource
+    from tests.support.engine_worker import build_trainer
 
     model = ModelConfig(**spec["model"])
     par = ParallelConfig(micro_batch_size=4, global_batch_size=8)
     stage = TrainStage(parallel=par, iters=10**6, warmup_iters=0, threads=spec["threads"])
     D.init(par.tp, par.pp, par.vpp, seed=stage.seed, threads=stage.threads)
-    chunks = build_model(model, par, VOCAB)
-    optimizer, scheduler = build_optimizer(chunks, stage, par)
-    source = SyntheticSource(64, VOCAB, model.seq_length, seed=1)
-    trainer = Trainer(
-        chunks,
-        optimizer,
-        scheduler,
-        make_step("pretrain"),
-        stage=stage,
-        seq_length=model.seq_length,
-        train_source=source,
-        services=LoopServices(
-            checkpointer=Checkpointer(Path(spec["ckpt"]), save_interval=10**9, keep_last=2)
-        ),
-    )
+    # the Checkpointer keeps its default keep_last (2)
+    worker_spec = {"vocab": VOCAB, "samples": 64, "ckpt": spec["ckpt"], "save_interval": 10**9}
+    _, trainer = build_trainer(worker_spec, model, par, stage)
     trainer.train_step(0)
     return trainer
 
@@ -197,7 +180,7 @@ def slurm_node_failure() -> str:
             "-q",
             "-p",
             "no:cacheprovider",
-            "tests/test_slurm_node_failure.py",
+            "tests/slurm/test_slurm_node_failure.py",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -258,7 +241,7 @@ def main() -> None:
     else:
         print(
             "\nSLURM node failure: skipped (run with --slurm, as root with slurm/install.sh done; or "
-            "`pytest -s tests/test_slurm_node_failure.py`)"
+            "`pytest -s tests/slurm/test_slurm_node_failure.py`)"
         )
 
 

@@ -1,7 +1,7 @@
 """Data prep throughput: 1 vs 2 ranks, peak memory against corpus size, and Megatron-LM's preprocess_data.py.
 
-    python bench/bench_data_prep.py --mb 50 [--megatron-lm /path/to/Megatron-LM checkout]
-    python bench/bench_data_prep.py --mb 1000 --memory-only
+    python -m bench.bench_data_prep --mb 50 [--megatron-lm /path/to/Megatron-LM checkout]
+    python -m bench.bench_data_prep --mb 1000 --memory-only
 
 Generates a JSON-lines corpus of ``--mb`` MB in a temp folder, trains one tokenizer on it, then times
 ``data_prep`` (corpus=sources, the given tokenizer) with 1 rank and with 2 ranks (two processes meeting

@@ -1,6 +1,6 @@
 """Generation tokens/s of the engine's generator with megatron's KV cache against full recomputation.
 
-    python bench/bench_generate.py [--batch 8] [--prompt 32] [--new 64] [--rounds 2] [--threads 2] [--json F]
+    python -m bench.bench_generate [--batch 8] [--prompt 32] [--new 64] [--rounds 2] [--threads 2] [--json F]
 
 Same model (megatron GPTModel, random weights, fp32 on CPU / the GPU when there is one), same prompts, same
 thread count; greedy decoding, so both paths must produce the same tokens (checked). Prints the best of

@@ -1,6 +1,6 @@
 """Peak host memory of the streamed Hugging Face import and export, per rank, against what the rank owns.
 
-    python bench/bench_hf_io.py [--hidden 512] [--layers 8] [--vocab 32000] [--tp 2] [--pp 1]
+    python -m bench.bench_hf_io [--hidden 512] [--layers 8] [--vocab 32000] [--tp 2] [--pp 1]
 
 1. Builds a random Llama-style model with transformers (fp32, sharded safetensors) in a temp directory.
 2. Import: ``tp*pp`` ranks each build their model slice, then ``engine.models.hf_weights.load_hf`` reads
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -147,22 +146,13 @@ def build_model_dir(out: Path, hidden: int, layers: int, vocab: int) -> int:
 
 def run_ranks(mode: str, spec: dict[str, Any], world: int, tmp: Path) -> list[dict[str, Any]]:
     from engine.runtime.distributed import free_port
+    from tests.support.env import rank_env
 
     port = free_port()
     procs = []
     for rank in range(world):
         path = tmp / f"{mode}-{rank}.json"
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONWARNINGS": "ignore",
-        }
+        env = rank_env(rank, world, port, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         cmd = [sys.executable, __file__, "--worker", mode, json.dumps(spec), str(path)]
         procs.append((subprocess.Popen(cmd, env=env, cwd=ROOT), path))
     out = []

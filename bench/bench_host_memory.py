@@ -1,6 +1,6 @@
 """What keeping freed host memory (engine.runtime.host_memory) gives a CPU training step: faults and speed.
 
-    python bench/bench_host_memory.py [--reps 5] [--steps 16] [--warmup 3] [--shapes 4.4x]
+    python -m bench.bench_host_memory [--reps 5] [--steps 16] [--warmup 3] [--shapes 4.4x]
 
 Pairs of fresh processes at bench/bench_attention.py's shapes, the two of a pair at the same time, one
 thread each, each pinned to a core of its own (swapped every other pair; bench_attention.side_by_side),

@@ -1,6 +1,6 @@
 """LoRA vs full fine-tuning on the same model: step time and peak RSS, printed as ratios.
 
-    python bench/bench_lora.py [--steps 8] [--repeats 2] [--model small|medium] [--rank 8]
+    python -m bench.bench_lora [--steps 8] [--repeats 2] [--model small|medium] [--rank 8]
 
 Each run is a fresh one-rank process (the engine's own model, optimizer and trainer, SFT-like steps on a
 synthetic source), so its peak RSS (``ru_maxrss`` of that process) covers only what that mode allocates:
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -36,36 +35,21 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import resource
     import time
 
-    from engine.models.gpt import build_model
     from engine.runtime import distributed as D
-    from engine.train.optimizer import build_optimizer
-    from engine.train.steps import make_step
-    from engine.train.trainer import Trainer
     from pipeline.schema.config import ModelConfig, TrainStage
     from pipeline.schema.sections import ParallelConfig
-    from pipeline.schema.stage_sections import PeftConfig
-    from tests.support.synthetic import SyntheticSource
+    from tests.support.engine_worker import build_trainer
 
     model = ModelConfig(**MODELS[spec["model"]], activation="swiglu", normalization="RMSNorm")
     par = ParallelConfig(micro_batch_size=4, global_batch_size=8)
     stage = TrainStage(
         parallel=par, iters=spec["steps"], warmup_iters=1, threads=spec["threads"], log_interval=1
     )
-    peft = PeftConfig(method="lora", rank=spec["rank"]) if spec["mode"] == "lora" else None
+    peft = {"method": "lora", "rank": spec["rank"]} if spec["mode"] == "lora" else None
     D.init(1, 1, None, seed=stage.seed, threads=stage.threads)
     try:
-        chunks = build_model(model, par, VOCAB, peft=peft)
-        optimizer, scheduler = build_optimizer(chunks, stage, par)
-        source = SyntheticSource(8 * spec["steps"], VOCAB, model.seq_length, seed=1)
-        trainer = Trainer(
-            chunks,
-            optimizer,
-            scheduler,
-            make_step("pretrain"),
-            stage=stage,
-            seq_length=model.seq_length,
-            train_source=source,
-        )
+        worker_spec = {"vocab": VOCAB, "samples": 8 * spec["steps"], "peft": peft}
+        chunks, trainer = build_trainer(worker_spec, model, par, stage)
         times = []
         for s in range(spec["steps"]):
             t0 = time.perf_counter()
@@ -86,7 +70,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """One fresh process per measurement (its own peak RSS)."""
-    from engine.runtime.distributed import free_port
+    from tests.support.env import rank_env
 
     with tempfile.TemporaryDirectory() as d:
         spec = {
@@ -97,11 +81,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             "threads": args.threads,
         }
         out = Path(d) / "out.json"
-        env = {
-            **os.environ,
-            **{"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"},
-            **{"MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"},
-        }
+        env = rank_env(0, 1, PYTHONWARNINGS="ignore")
         done = subprocess.run(
             [sys.executable, __file__, "--worker", json.dumps(spec), str(out)],
             env=env,

@@ -1,6 +1,6 @@
 """Peak matmul TFLOP/s of this machine's device: the MFU denominator for CPU runs (cluster.peak_tflops).
 
-    python bench/bench_matmul.py [--size 1024] [--threads 2] [--dtype float32] [--reps 10]
+    python -m bench.bench_matmul [--size 1024] [--threads 2] [--dtype float32] [--reps 10]
 
 Times ``torch.mm`` of two ``size x size`` matrices (2 size^3 FLOPs each) after a warm-up and prints the best
 of ``--reps`` as TFLOP/s, next to a baseline run in the same script (a 4x smaller matrix, which bounds how

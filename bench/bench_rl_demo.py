@@ -1,6 +1,6 @@
 """The embedded default's post-training result per seed: eval's table, SFT's greedy vs sampled accuracy.
 
-    python bench/bench_rl_demo.py [--seeds 1 2 3] [--root runs/rl-demo] [--samples 8] [--temperature 1]
+    python -m bench.bench_rl_demo [--seeds 1 2 3] [--root runs/rl-demo] [--samples 8] [--temperature 1]
                                   [--models sft,rlhf] [--skip-run] [OVERRIDE ...]
 
 For each seed ``s`` it runs ``python -m pipeline run.root=ROOT run.name=rl-demo-s<s> data.seed=s

@@ -1,6 +1,6 @@
 """Start-up costs: the tiny graph end to end, split per stage, against the import floor of a training job.
 
-    python bench/bench_startup.py [--reps 1] [-- extra overrides]
+    python -m bench.bench_startup [--reps 1] [-- extra overrides]
 
 Runs ``python -m pipeline experiment=tiny`` (local executor: one process per stage, as on a cluster) in a
 fresh run directory and prints, per stage, the wall time from submission to completion (ledger

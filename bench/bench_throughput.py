@@ -1,6 +1,6 @@
 """Throughput of the pretrain stage's training path against a minimal plain-PyTorch loop on the same model.
 
-    python bench/bench_throughput.py [--steps 20] [--warmup 3] [--rounds 2] [--no-dist] [--gpu-only] [--profile]
+    python -m bench.bench_throughput [--steps 20] [--warmup 3] [--rounds 2] [--no-dist] [--gpu-only] [--profile]
 
 Engine path: engine (distributed init, megatron GPTModel with the local layer spec in megatron DDP,
 megatron optimizer, ``Trainer.train_step``: micro batches from a sample source through
@@ -167,26 +167,17 @@ def plain_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def engine_trainer(spec: dict[str, Any]) -> Any:
     """engine's init, model, optimizer and Trainer on a synthetic source (``D.shutdown()`` after use)."""
-    from engine.models.gpt import build_model
     from engine.runtime import distributed as D
-    from engine.train.optimizer import build_optimizer
-    from engine.train.steps import make_step
-    from engine.train.trainer import Trainer
     from pipeline.schema.config import ModelConfig, TrainStage
     from pipeline.schema.sections import ParallelConfig
-    from tests.support.synthetic import SyntheticSource
+    from tests.support.engine_worker import build_trainer
 
     model = ModelConfig(**spec["model"])
     par = ParallelConfig(**spec["parallel"])
     stage = TrainStage(parallel=par, iters=1000, lr=1e-4, warmup_iters=0, threads=spec["threads"])
     D.init(par.tp, par.pp, par.vpp, seed=stage.seed, threads=stage.threads)
-    chunks = build_model(model, par, spec.get("vocab", VOCAB))
-    optimizer, scheduler = build_optimizer(chunks, stage, par)
-    source = SyntheticSource(64, spec.get("vocab", VOCAB), model.seq_length, seed=1)
-    return Trainer(
-        chunks, optimizer, scheduler, make_step("pretrain"), stage=stage, seq_length=model.seq_length,
-        train_source=source,
-    )  # fmt: skip
+    _, trainer = build_trainer({"vocab": spec.get("vocab", VOCAB), "samples": 64}, model, par, stage)
+    return trainer
 
 
 def engine_worker(spec: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Checkpoint verification against checkpoint loading, 2 ranks, a multi-GB checkpoint.
 
-    python bench/bench_verify.py [--gb-per-rank 1.0] [--reps 3]
+    python -m bench.bench_verify [--gb-per-rank 1.0] [--reps 3]
 
 Two gloo ranks each hold a tensor of ``--gb-per-rank`` GB (fp32, one shard per rank), saved once through
 ``engine.checkpoint.save.save`` (the real commit: checksums, marker with whole-file xxh3_128 and sampled

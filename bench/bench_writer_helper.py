@@ -2,7 +2,7 @@
 before) against forked (``engine.checkpoint.writer.signal_safe_writer_queue`` now).
 
 Each repetition starts a manager and round-trips one torch WriteResult through its queue (what the first
-save does), interleaved; prints the medians and their ratio. ``python bench/bench_writer_helper.py [--reps 5]``
+save does), interleaved; prints the medians and their ratio. ``python -m bench.bench_writer_helper [--reps 5]``
 """
 
 from __future__ import annotations

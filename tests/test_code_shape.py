@@ -13,17 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
-ALLOWED: dict[str, str] = {
-    "slurm/cluster.py": "the local test cluster (configs, daemons, lifecycle) in one script; to split",
-    "slurm/cluster.py::Cluster._write_configs": "writes slurm.conf, cgroup.conf and the rest as one template; to "
-    "split per file",
-}
+ALLOWED: dict[str, str] = {}
 """path (a file over MAX_FILE_LINES) or path::qualname (a function over MAX_FUNCTION_LINES): why it is allowed."""
 
 
 def product_files() -> list[Path]:
     files = [p for d in ("pipeline", "stages", "engine") for p in sorted((ROOT / d).rglob("*.py"))]
-    return files + sorted((ROOT / "slurm").glob("*.py"))
+    return files + sorted((ROOT / "slurm").rglob("*.py"))
 
 
 def _functions(node: ast.AST, prefix: str = "") -> list[tuple[str, int]]:

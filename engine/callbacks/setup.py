@@ -25,7 +25,7 @@ SINKS: dict[str, SinkFactory] = {
     "wandb": wandb.sink,
     "mlflow": mlflow.sink,
 }
-"""Sink name -> factory; the keys equal pipeline.schema.stage_sections.SINK_NAMES (tests/test_observe.py checks)."""
+"""Sink name -> factory; the keys equal pipeline.schema.stage_sections.SINK_NAMES (tests/engine/train/test_observe.py checks)."""
 
 
 def stage_callbacks(

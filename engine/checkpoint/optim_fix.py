@@ -13,7 +13,7 @@ per-parameter state holds a ``step`` tensor. In megatron-core 0.16.1 restoring i
 ``apply()`` patches those three methods, only when the installed megatron-core is in ``AFFECTED`` and the
 torch fallback is active; each patch changes behaviour only for a plain torch Adam/AdamW inner optimizer
 (no CPU offloading, no precision-aware optimizer, no megatron FSDP) and otherwise calls the original.
-``tests/test_checkpoint_optim_fix.py`` runs the unpatched path and fails once upstream has fixed it:
+``tests/engine/checkpoint/test_checkpoint_optim_fix.py`` runs the unpatched path and fails once upstream has fixed it:
 then narrow ``AFFECTED`` and, when no supported version needs it, delete this module.
 """
 

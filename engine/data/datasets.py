@@ -335,7 +335,7 @@ def sft_source(
     ``position_ids`` that restart at 0 for each example and ``segment_ids`` (the example's number in the
     row; padding is one more segment), from which the step builds a block-diagonal causal attention mask:
     each example sees only itself, so its loss is the one it has alone in a row
-    (tests/test_attention.py). With RoPE the positions are not used, but the scores depend only on
+    (tests/engine/models/test_attention.py). With RoPE the positions are not used, but the scores depend only on
     relative positions within the example, so the result is the same.
     """
     recs = read_jsonl(jsonl_path, ("prompt", "response"))

@@ -3,7 +3,7 @@
 data_prep writes datasets that megatron's ``IndexedDataset`` reads at training time. megatron's own
 ``IndexedDatasetBuilder`` cannot be imported without the whole of ``megatron.core`` (its package
 ``__init__`` pulls in torch, tensor_parallel and transformer: about 9 s on 2 loaded cores, 2-3 s idle),
-which was most of data_prep's start-up; this writer produces the same bytes (tests/test_indexed.py checks
+which was most of data_prep's start-up; this writer produces the same bytes (tests/engine/data/test_indexed.py checks
 it against megatron's builder and reader) without importing either.
 
 Format (version 1): ``.bin`` holds the tokens of every sequence back to back in ``dtype``; ``.idx`` holds

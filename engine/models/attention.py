@@ -3,7 +3,7 @@
 ``SDPAttention`` replaces megatron's unfused ``DotProductAttention`` (baddbmm -> masked softmax -> bmm, one
 [b, heads, s, s] score tensor materialized per layer) and keeps its interface, parameters and checkpoint
 keys: it subclasses it and only swaps ``forward``. Semantics, equal to the unfused module within fp32
-tolerance (tests/test_attention.py):
+tolerance (tests/engine/models/test_attention.py):
 
 - ``attention_mask`` None: causal (``is_causal``). Given (megatron's convention: bool, True = masked out,
   broadcastable to [b, 1, s, s]), it is used as is and the causal mask type is not added; this is how packed

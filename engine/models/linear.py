@@ -17,7 +17,7 @@ region copy.
 Parameters, checkpoint keys, tensor-parallel attributes and every other path are megatron's: the subclasses
 override ``_forward_impl`` (the hook megatron itself uses to pick its frozen-weight variant) and, for the
 bias folding, ``forward``. Equal to megatron's linears within fp32 rounding (the bias is added inside the
-GEMM): tests/test_attention.py.
+GEMM): tests/engine/models/test_attention.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ megatron-core assumes CUDA in a few dozen places (``torch.cuda.current_device()`
 ``'torch.cuda.FloatTensor'``), plus one CPU speed-up with the same results (the cross entropy's logits
 maximum by ``amax``). ``install()`` patches exactly the symbols in ``PATCHES`` and does nothing when CUDA
 is available. Call it in each rank after ``init_process_group("gloo")`` (engine.runtime.distributed
-does). ``tests/test_engine_cpu_compat.py`` checks every entry of ``PATCHES`` against the installed
+does). ``tests/engine/runtime/test_engine_cpu_compat.py`` checks every entry of ``PATCHES`` against the installed
 torch/megatron: a symbol that disappears or whose parameters change fails the test loudly.
 
 The model-parallel RNG tracker is backed by the CPU generator: a ``fork()`` swaps the CPU generator's state

@@ -241,7 +241,7 @@ def device() -> torch.device:
     """The device of this rank's model and of every tensor the engine, eval and the steps create.
 
     The one place that decides it (CUDA's current device, else the CPU); nothing else in ``stages/`` calls
-    ``.cuda()`` or names ``"cuda"`` (tests/test_device.py checks both).
+    ``.cuda()`` or names ``"cuda"`` (tests/engine/runtime/test_device.py checks both).
     """
     return (
         torch.device("cuda", torch.cuda.current_device())

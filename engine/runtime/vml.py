@@ -10,7 +10,7 @@ drift apart (docs/fault-tolerance.md, "Exact resume on CPU", has the measurement
 ``warm()`` calls every VML-backed unary op once on a tensor below ATen's parallel grain (2,048 elements),
 so on one thread, for float32 and float64: the dispatch is resolved before the first parallel call.
 ``engine.runtime.distributed.init`` calls it in every rank. Harmless where MKL is fixed (2025.0 and
-later) or absent. ``tests/test_vml.py`` races fresh processes with and without it.
+later) or absent. ``tests/engine/runtime/test_vml.py`` races fresh processes with and without it.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
     "keep_last": "how many checkpoints are kept on disk",
     "keep_incomplete": "how many temp dirs of crashed saves are kept on disk",
     "max_bad_steps": "only decides whether a stage stops; a completed stage's result does not depend on it",
-    "nan_policy": "skip and rollback give bit-identical weights (tests/test_nan_policy.py); stop only ends "
+    "nan_policy": "skip and rollback give bit-identical weights (tests/engine/train/test_nan_policy.py); stop only ends "
     "the stage",
     "async_save": "checkpoint writing in the background: the saved state is the same",
     "checkpoint_verify": "how a resume checks checkpoint files: only decides which checkpoint is trusted",

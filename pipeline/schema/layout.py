@@ -213,7 +213,7 @@ def _check_batch(par: _Parallel, plan: ParallelPlan, key: str) -> None:
 
 
 def _check_features(cfg: _Config, par: _Parallel, key: str) -> None:
-    """Sequence parallel needs Transformer Engine and tp >= 2 (fp16 runs everywhere: tests/test_precision.py)."""
+    """Sequence parallel needs Transformer Engine and tp >= 2 (fp16 runs everywhere: tests/engine/train/test_precision.py)."""
     if par.sequence_parallel and not _has_transformer_engine():
         raise ConfigError(
             f"{key}.sequence_parallel=True: needs the Transformer Engine layer spec (GPU with transformer_engine "

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,17 +10,7 @@ import pytest
 
 from pipeline.records.ledger import Ledger
 from pipeline.schema.graph import DEFAULT_STAGES as STAGES
-from tests.support.env import REPO
-
-
-def run_pipeline(*overrides: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline", *overrides],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from tests.support.cli import run_pipeline
 
 
 def run_dir_of(stdout: str) -> Path:

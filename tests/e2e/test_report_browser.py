@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.engine.train.test_observe import tb_scalars
 from tests.support.env import REPO as ROOT
+from tests.support.metrics import tb_scalars
 
 CHROMIUM = shutil.which("chromium")
 TMUX = shutil.which("tmux")

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.env import REPO
+from tests.support import cli
 
 BASE = [
     "experiment=tiny",
@@ -51,20 +49,8 @@ BASE = [
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
-def run(root: Path, *overrides: str, fault: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline", *BASE, f"run.root={root}", *overrides],
-        cwd=REPO,
-        env={**os.environ, "PIPELINE_FAULT": fault},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def run_dir(root: Path) -> Path:
-    (d,) = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    return d
+run = partial(cli.run, base=BASE)
+run_dir = cli.run_dir
 
 
 def rlhf_dir(root: Path) -> Path:
@@ -81,7 +67,7 @@ def final_tensors(root: Path) -> dict[str, torch.Tensor]:
 
 
 def metrics(root: Path) -> list[dict]:
-    return [json.loads(x) for x in (rlhf_dir(root) / "metrics.jsonl").read_text().splitlines()]
+    return cli.metrics(root, stage="rlhf")
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +80,7 @@ def sft_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def seeded(sft_root: Path, dest: Path) -> Path:
     """A copy of the run with data_prep, pretrain and sft completed (the prepared data is a symlink)."""
-    shutil.copytree(sft_root, dest, symlinks=True, dirs_exist_ok=True)
-    return dest
+    return cli.seeded(sft_root, dest, stages=None)
 
 
 @pytest.fixture(scope="module")
@@ -158,14 +143,7 @@ def test_grpo_killed_mid_run_resumes_bit_identical(
     from engine.checkpoint.load import load_tensors
 
     root = seeded(sft_root, tmp_path / "killed")
-    cmd = subprocess.Popen(
-        [sys.executable, "-m", "pipeline", *BASE, f"run.root={root}", "run.stages=[rlhf]"],
-        cwd=REPO,
-        env={**os.environ, "PIPELINE_FAULT": "hang@step:4"},  # stays before step 4 (after step 3)
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    cmd = cli.start(root, "run.stages=[rlhf]", base=BASE, fault="hang@step:4")  # waits before step 4
     try:
         ckpt = rlhf_dir(root) / "checkpoints" / "iter_0000002" / "COMPLETE.json"
         _wait_for("the step-2 checkpoint and step 3", lambda: ckpt.exists() and _progress(root) >= 3)

@@ -107,7 +107,7 @@ def test_sdpa_attention_equals_unfused_on_cuda(tmp_path: Path, precision: str) -
 
 @pytest.mark.timeout(900)
 def test_checkpoint_resume_is_bit_exact_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.engine.checkpoint.test_checkpoint_megatron import MODEL, assert_exact_resume, run_pair
+    from tests.support.resume_drill import MODEL, assert_exact_resume, run_pair
 
     # Deterministic cuBLAS and kernels: an uninterrupted run and a resumed one must agree bit for bit.
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

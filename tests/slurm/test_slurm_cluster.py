@@ -1,4 +1,4 @@
-"""The local SLURM cluster (slurm/cluster.py) behaves like a real one: scheduling on named nodes,
+"""The local SLURM cluster (slurm/localcluster/) behaves like a real one: scheduling on named nodes,
 accounting, dependencies, submitit, node failure -> requeue, clean teardown."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.slurm_cluster import REPO, stray_processes, wait_for
+from tests.support.env import REPO
+from tests.support.slurm_cluster import stray_processes, wait_for
 
 pytestmark = pytest.mark.slurm
 

@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 from pipeline.records.ledger import Ledger
 from pipeline.reporting.status import run_status
 from pipeline.schema.graph import DEFAULT_STAGES as STAGES
-from tests.support.slurm_cluster import REPO, cluster_mod, wait_for
+from tests.support.env import REPO
+from tests.support.slurm_cluster import cluster_mod, wait_for
 from tests.support.slurm_helpers import (
     TINY,
     TWO_NODES,

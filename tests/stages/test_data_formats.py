@@ -14,7 +14,7 @@ from engine.data.datasets import load_tokenizer, read_manifest
 from pipeline.schema.config import DataConfig, PipelineConfig
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.sections import DataSource
-from tests.stages.test_data_prep import prep_config, run_prep
+from tests.support.prep import prep_config, run_prep
 
 WORDS = "the king queen sword crown night day love war peace river stone fire wind".split()
 
@@ -334,7 +334,7 @@ def test_two_ranks_under_the_local_executor_byte_identical_to_one(tmp_path: Path
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pretrain_trains_on_a_weighted_blend_through_the_cli(tmp_path: Path) -> None:
-    from tests.e2e.test_e2e import run_pipeline
+    from tests.support.cli import run_pipeline
 
     for f in range(2):
         (tmp_path / f"c{f}.jsonl").write_text(

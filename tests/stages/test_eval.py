@@ -9,8 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.stages.test_data_prep import run_prep, tiny_config, write_corpus
 from tests.support.env import REPO
+from tests.support.prep import run_prep, tiny_config, write_corpus
 
 SCRIPT = textwrap.dedent(
     """

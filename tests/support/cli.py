@@ -33,6 +33,17 @@ def run(
     )
 
 
+def run_pipeline(*overrides: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
+    """``python -m pipeline <overrides>`` from the checkout (no run root added), output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def start(root: Path, *overrides: str, base: Sequence[str] = (), fault: str = "") -> subprocess.Popen[str]:
     """The same command, not waited for, in its own process group (as a terminal runs it), output discarded."""
     return subprocess.Popen(

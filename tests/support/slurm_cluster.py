@@ -1,4 +1,4 @@
-"""Session-scoped pytest fixture `slurm_cluster`: a real local SLURM cluster (slurm/cluster.py).
+"""Session-scoped pytest fixture `slurm_cluster`: a real local SLURM cluster (slurm/localcluster/).
 
 Registered in tests/conftest.py. Use it from tests marked `@pytest.mark.slurm`:
 
@@ -18,7 +18,6 @@ Environment: SLURM_TEST_KEEP_DIR=1 keeps the cluster directory (logs) after the 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -29,13 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.env import REPO
-
-_spec = importlib.util.spec_from_file_location("slurm_local_cluster", REPO / "slurm" / "cluster.py")
-assert _spec and _spec.loader
-cluster_mod = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("slurm_local_cluster", cluster_mod)
-_spec.loader.exec_module(cluster_mod)
+from slurm import localcluster as cluster_mod
 
 TERMINAL_STATES = {
     "COMPLETED",
@@ -68,10 +61,10 @@ def stray_processes(directory: Path) -> list[str]:
     daemons, node namespaces and jobs of that cluster all do (SLURM_CONF points into it)."""
     me, d = os.getpid(), str(directory).encode()
     out = []
-    for pid in cluster_mod._pids():
+    for pid in cluster_mod.pids():
         if pid == me:
             continue
-        st = cluster_mod._stat(pid)
+        st = cluster_mod.stat(pid)
         if st is None or st[0] in ("Z", "X"):
             continue
         try:

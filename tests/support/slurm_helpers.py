@@ -16,7 +16,8 @@ import pytest
 
 from pipeline.records.ledger import Ledger
 from pipeline.reporting.status import StageView, run_status
-from tests.support.slurm_cluster import REPO, wait_for
+from tests.support.env import REPO
+from tests.support.slurm_cluster import wait_for
 
 TINY = [
     "experiment=tiny",

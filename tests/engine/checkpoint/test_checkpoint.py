@@ -20,21 +20,20 @@ from engine.checkpoint import errors, integrity, latest, layout, writer
 from engine.checkpoint import load as ckload
 from engine.checkpoint import save as cksave
 from engine.checkpoint import state as ckstate
-from tests.support.env import REPO
+from tests.support.env import REPO, python_env
 
 WORKER_TIMEOUT_S = 300
 
 
 def run_worker(*args: str, expect_rc: int = 0) -> dict:
     """Run this file as a worker; returns the JSON object it prints last."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, __file__, *args],
         capture_output=True,
         text=True,
         timeout=WORKER_TIMEOUT_S,
         cwd=REPO,
-        env=env,
+        env=python_env(OMP_NUM_THREADS="1"),
     )
     assert proc.returncode == expect_rc, f"worker {args} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.checkpoint.test_checkpoint_megatron import (
+from tests.support.resume_drill import (
     MODEL,
     assert_exact_resume,
     assert_same_tensors,

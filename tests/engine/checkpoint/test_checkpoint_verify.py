@@ -10,7 +10,6 @@ dist_checkpointing).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 from engine.checkpoint import errors, integrity, latest, layout
 from engine.checkpoint import load as ckload
 from engine.checkpoint import save as cksave
-from tests.support.env import REPO
+from tests.support.env import rank_env
 
 FILES = ("__0_0.distcp", "__1_0.distcp", "rng.rank0.pt", "rng.rank1.pt", "common.pt", ".metadata")
 
@@ -92,12 +91,11 @@ def test_two_ranks_verify_their_own_files_and_agree(tmp_path: Path) -> None:
     make_checkpoint(root, 1)
     newest = make_checkpoint(root, 2)
     flip_byte(newest / "__1_0.distcp", 1500)  # same size: only rank 1's hashing can notice
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    env |= {"MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, str(root)],
-            env={**env, "RANK": str(r)},
+            env=rank_env(r, 2, port, OMP_NUM_THREADS="1"),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -1,8 +1,8 @@
 """LoRA (``<stage>.peft.method=lora``, engine/models/lora.py): config validation, frozen base, adapters-only
 checkpoints, exact resume, merged weights, TP2 == TP1.
 
-The engine runs are fresh process groups in subprocesses (tests/engine/checkpoint/test_checkpoint_megatron.py's worker for the
-resume drill, tests/support/engine_worker.py for the layouts).
+The engine runs are fresh process groups in subprocesses (tests/support/resume_drill.py for the resume drill,
+tests/support/engine_worker.py for the layouts).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import pytest
 from pipeline.cli.plan import compose_config  # noqa: E402
 from pipeline.schema.errors import ConfigError  # noqa: E402
 from pipeline.schema.stage_sections import PeftConfig  # noqa: E402
-from tests.engine.checkpoint import test_checkpoint_megatron as drill
+from tests.support import resume_drill as drill
 from tests.support.engine_worker import launch as engine_launch
+from tests.support.env import REPO
 
 LORA = {"method": "lora", "rank": 4, "alpha": 8.0}
 SWIGLU = {**drill.MODEL, "activation": "swiglu", "normalization": "RMSNorm", "add_bias_linear": False}
@@ -129,7 +130,7 @@ MODEL_TP = {
 def test_lora_tp2_matches_tp1(tmp_path: Path) -> None:
     """Same initial adapters at any layout, and the same losses under TP=2 as TP=1 (fp32 tolerance of
     tests/engine/train/test_parallel.py), for swiglu (B of fc1 split into gate/up halves) and GQA."""
-    from tests.engine.train.test_parallel import FP32_REL, max_rel_delta
+    from tests.support.metrics import FP32_REL, max_rel_delta
 
     model = {**MODEL_TP, "activation": "swiglu", "normalization": "RMSNorm", "add_bias_linear": False}
     spec = {
@@ -230,11 +231,11 @@ def test_lora_export_merged_and_peft_give_the_same_logits(tmp_path: Path) -> Non
     drill.launch(
         1, {**spec, "init_from": str(hf), "root": str(root), "dump": str(tmp_path / "dump")}, tmp_path / "run"
     )
-    env = {"PYTHONPATH": str(drill.REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     run = [sys.executable, "-c"]
     done = subprocess.run(
         [*run, EXPORT_BOTH, str(hf), str(root), str(tmp_path / "out")],
-        cwd=drill.REPO,
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,

@@ -92,7 +92,7 @@ def test_reward_model_and_export_stages_through_the_cli(tmp_path: Path) -> None:
     import json
 
     from pipeline.records.ledger import Ledger
-    from tests.e2e.test_e2e import run_pipeline
+    from tests.support.cli import run_pipeline
 
     stages = "[data_prep,pretrain,sft,reward_model,rlhf,eval,export]"
     r = run_pipeline(

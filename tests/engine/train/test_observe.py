@@ -17,15 +17,7 @@ from pipeline.schema.build import from_dict
 from pipeline.schema.stage_sections import MonitorConfig
 from tests.support.engine_worker import launch
 from tests.support.env import REPO as ROOT
-
-
-def tb_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
-
+from tests.support.metrics import tb_scalars
 
 # ---------------------------------------------------------------------------- the seam in the real loop
 

@@ -18,10 +18,10 @@ import pytest
 from pipeline.cli.plan import compose_config  # noqa: E402
 from pipeline.schema.errors import ConfigError  # noqa: E402
 from tests.support.engine_worker import launch
+from tests.support.metrics import FP32_REL, max_rel_delta
 
 MODEL = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32}
 STEPS = 5
-FP32_REL = 1e-4
 BF16_REL = 2e-2
 RESHARD_REL = 1e-5
 GLOBAL_BATCH = 8
@@ -44,11 +44,6 @@ def world(parallel: dict[str, Any]) -> int:
 
 def losses(result: dict[str, Any]) -> list[float]:
     return [h["loss"] for h in result["history"]]
-
-
-def max_rel_delta(got: list[float], want: list[float]) -> float:
-    assert len(got) == len(want), (got, want)
-    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
 
 
 @pytest.fixture(scope="module")

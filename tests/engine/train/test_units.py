@@ -7,41 +7,19 @@ checkpoint brings both back bit for bit (parameters, Adam moments, steps, LR sch
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.env import REPO
+from tests.support import engine_worker
 
 MODEL = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16}
 
 
 def launch(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
     """The worker as one rank on a free port; its result (the log on failure)."""
-    from engine.runtime.distributed import free_port
-
-    spec_path = tmp / "spec.json"
-    spec_path.write_text(json.dumps({**spec, "out": str(tmp / "result.json")}))
-    env = {
-        **os.environ,
-        **{"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"},
-        **{"MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-    }
-    r = subprocess.run(
-        [sys.executable, __file__, str(spec_path)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=480,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads((tmp / "result.json").read_text())
+    return engine_worker.launch(1, spec, tmp, timeout_s=480, script=Path(__file__))
 
 
 @pytest.mark.timeout(600)
@@ -65,7 +43,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.train.trainer import Trainer
     from pipeline.schema.config import ModelConfig, TrainStage
     from pipeline.schema.sections import ParallelConfig
-    from tests.engine.checkpoint.test_checkpoint_megatron import snapshot
+    from tests.support.resume_drill import snapshot
     from tests.support.synthetic import SyntheticSource
 
     model_cfg, par = ModelConfig(**MODEL), ParallelConfig(micro_batch_size=2, global_batch_size=4)
@@ -119,6 +97,4 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    result = worker(spec)
-    Path(spec["out"]).write_text(json.dumps(result))
+    engine_worker.serve(worker)
