@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from pipeline.schema.config import ParallelConfig, TrainStage
+from pipeline.schema.config import TrainStage
+from pipeline.schema.sections import ParallelConfig
 
 
 def build_optimizer(chunks: list[Any], stage: TrainStage, par: ParallelConfig) -> tuple[Any, Any]:
