@@ -4,8 +4,8 @@
 
 Per stage: the final checkpoint's files byte for byte (the dist-checkpoint shards, common.pt, the RNG
 states), its ``.metadata`` index by content (it also holds a random save id), data_prep's files by the
-sha256 its manifest records, the train/valid lines of metrics.jsonl without timings, and eval's results.json
-without paths. Used to prove that a change which should not change behaviour (a restructuring) did not:
+sha256 its manifest records, the train/valid lines of metrics.jsonl without timings, eval's results.json
+without paths, and exported safetensors byte for byte. Used to prove that a change which should not change behaviour (a restructuring) did not:
 run the same command on two checkouts, then compare.
 """
 
@@ -84,6 +84,10 @@ def compare_stage(name: str, a: Path, b: Path) -> list[str]:
         diffs += [
             f"{f}: sha256 differs" for f in sorted(set(sha_a) | set(sha_b)) if sha_a.get(f) != sha_b.get(f)
         ]
+    for fa in sorted(a.rglob("*.safetensors")):  # exported Hugging Face weights
+        fb = b / fa.relative_to(a)
+        if not fb.is_file() or fa.read_bytes() != fb.read_bytes():
+            diffs.append(f"{fa.relative_to(a)}: {'bytes differ' if fb.is_file() else 'only in A'}")
     if (a / "results.json").is_file():
         ra, rb = (_without_paths(json.loads((d / "results.json").read_text())) for d in (a, b))
         if ra != rb:
