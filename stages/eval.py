@@ -203,7 +203,7 @@ def _load_sets(data: Path, tok: Any, cfg: PipelineConfig) -> dict[str, Any]:
     manifest = read_manifest(data, verify=False)
     # a run on a Hugging Face tokenizer: held-out sets rendered with its chat template by data_prep
     task_file = manifest.get("eval_task_file", "eval_task.jsonl")
-    task = read_jsonl(data / task_file, ("prompt", "answer"))[: ev.num_task_examples]
+    task: list[dict[str, Any]] = read_jsonl(data / task_file, ("prompt", "answer"))[: ev.num_task_examples]
     for r in task:
         r["rendered"] = "eval_task_file" in manifest
     if "eval_pref_file" in manifest:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -76,7 +77,7 @@ class Checkpointer:
         optimizer: Any,
         scheduler: Any,
         init_weights: bool = True,
-        models: dict[str, Part] | None = None,
+        models: Mapping[str, Part] | None = None,
     ) -> dict[str, Any] | None:
         """Resume from the newest good checkpoint under root (full state, returned); else load init_from weights.
 
@@ -127,7 +128,7 @@ class Checkpointer:
         optimizer: Any,
         scheduler: Any,
         state: dict,
-        models: dict[str, Part] | None = None,
+        models: Mapping[str, Part] | None = None,
     ) -> None:
         """Save at every ``save_interval``, at the final step, and when ``force`` (a stop request).
 
@@ -170,7 +171,7 @@ class Checkpointer:
         state: dict,
         final: bool = False,
         async_save: bool = False,
-        models: dict[str, Part] | None = None,
+        models: Mapping[str, Part] | None = None,
     ) -> Path:
         t0 = time.time()
         if self.peft is not None:
@@ -207,7 +208,7 @@ class Checkpointer:
             self.finalize_seconds.append(time.time() - t0)
 
     def reload_latest(
-        self, chunks: list[Any], optimizer: Any, scheduler: Any, models: dict[str, Part] | None = None
+        self, chunks: list[Any], optimizer: Any, scheduler: Any, models: Mapping[str, Part] | None = None
     ) -> dict[str, Any] | None:
         """Full state of the newest good checkpoint (a rollback), after committing any save in flight; None if none."""
         self.finalize(blocking=True)
@@ -217,7 +218,7 @@ class Checkpointer:
         return dict(found[1]) if found is not None else None
 
 
-def _parts(models: dict[str, Part] | None) -> dict[str, tuple[list[Any], Any, Any]] | None:
+def _parts(models: Mapping[str, Part] | None) -> dict[str, tuple[list[Any], Any, Any]] | None:
     """The trained named models as checkpoint parts: name -> (chunks, optimizer, scheduler)."""
     if not models:
         return None

@@ -142,7 +142,7 @@ def read_slice(checkpoint: Path, key: str, offsets: tuple[int, ...], dest: torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -150,6 +150,7 @@ def read_slice(checkpoint: Path, key: str, offsets: tuple[int, ...], dest: torch
         def create_local_plan(self) -> LoadPlan:
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=dest.shape)
             md = self.metadata.state_dict_metadata[key]  # type: ignore[union-attr]
+            assert isinstance(md, TensorStorageMetadata)  # key names a tensor (tensor_metadata's keys)
             return LoadPlan(create_read_items_for_chunk_list(key, md, [chunk]))
 
         def resolve_tensor(self, read_item: Any) -> torch.Tensor:

@@ -346,6 +346,8 @@ def sft_source(
     cur_loss: list[int] = []
     cur_starts: list[int] = []
     truncated = 0
+    user, assistant = tokenizer.user, tokenizer.assistant
+    assert user is not None and assistant is not None, "sft_source needs the <|user|>/<|assistant|> tokens"
 
     def flush() -> None:
         if cur_ids:
@@ -355,7 +357,7 @@ def sft_source(
             cur_starts.clear()
 
     for p, r in zip(prompts, responses):
-        ids = [tokenizer.user, *p, tokenizer.assistant, *r, tokenizer.eod]
+        ids = [user, *p, assistant, *r, tokenizer.eod]
         loss = [0] * (len(p) + 2) + [1] * (len(r) + 1)
         if len(ids) > seq_length + 1:
             ids, loss, truncated = ids[: seq_length + 1], loss[: seq_length + 1], truncated + 1
@@ -388,7 +390,7 @@ def _row(
     labels = np.full(seq_length, pad, dtype=np.int64)
     mask = np.zeros(seq_length, dtype=np.float32)
     tokens[:n], labels[:n], mask[:n] = ids[:-1], ids[1:], loss[1:]
-    row = {
+    row: dict[str, np.ndarray] = {
         "tokens": tokens,
         "labels": labels,
         "loss_mask": mask,
@@ -412,8 +414,12 @@ def preference_source(jsonl_path: Path, tokenizer: Tokenizer, seq_length: int, s
     chosen = tokenizer.encode_batch([r["chosen"] for r in recs])
     rejected = tokenizer.encode_batch([r["rejected"] for r in recs])
     rows, truncated = [], 0
+    user, assistant = tokenizer.user, tokenizer.assistant
+    assert user is not None and assistant is not None, (
+        "preference_source needs the <|user|>/<|assistant|> tokens"
+    )
     for p, c, r in zip(prompts, chosen, rejected):
-        pids = [tokenizer.user, *p, tokenizer.assistant]
+        pids = [user, *p, assistant]
         row_c, cut_c = encode_example(tokenizer, pids, c, seq_length)
         row_r, cut_r = encode_example(tokenizer, pids, r, seq_length)
         rows.append(_stack([row_c, row_r]))

@@ -200,8 +200,8 @@ def merge_units(
             builder.add_index(stem)
             toks += int(offsets[-1])
         else:
-            for j in np.flatnonzero(keep):
-                item = unit_tokens[offsets[j] : offsets[j + 1]]
+            for i in np.flatnonzero(keep):
+                item = unit_tokens[offsets[i] : offsets[i + 1]]
                 builder.add_document(item)
                 toks += len(item)
             dups[u.source] = dups.get(u.source, 0) + int((~keep).sum())

@@ -56,7 +56,8 @@ def _tp_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: in
     """This rank's shard of ``full``, split like megatron's ``_initialize_affine_weight_cpu``."""
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return full
-    dim, stride = int(param.partition_dim), int(getattr(param, "partition_stride", 1))
+    # partition_dim: set on the tensor by megatron's tensor-parallel layers (torch's stub lacks it)
+    dim, stride = int(param.partition_dim), int(getattr(param, "partition_stride", 1))  # type: ignore[attr-defined]
     pieces = torch.split(full, param.shape[dim] // stride, dim=dim)
     return torch.cat(pieces[tp_rank::tp_size], dim=dim)
 

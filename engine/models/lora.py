@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +70,14 @@ class _LoraMixin:
     lora_dropout: float
     lora_gated: bool
     lora_parallel: str  # "column" | "row"
+    # provided by the megatron linear (a torch Module) the mixin is combined with
+    weight: torch.nn.Parameter
+    training: bool
+    tp_group: Any
+    state_dict: Callable[..., dict[str, Any]]
 
     def _lora_input(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lora_dropout and self.training:  # type: ignore[attr-defined]
+        if self.lora_dropout and self.training:
             x = F.dropout(x, self.lora_dropout, True)
         return x
 
@@ -83,14 +88,14 @@ class _LoraMixin:
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        state = self.state_dict(prefix="", keep_vars=True)  # type: ignore[attr-defined]
+        state = self.state_dict(prefix="", keep_vars=True)
         base_axes = {"weight": 0, "bias": 0} if self.lora_parallel == "column" else {"weight": 1}
         out = make_sharded_tensors_for_checkpoint(
             state,
             prefix,
             {**base_axes, **self._lora_axes()},
             sharded_offsets,
-            tp_group=self.tp_group,  # type: ignore[attr-defined]
+            tp_group=self.tp_group,
             dp_cp_group=(metadata or {}).get("dp_cp_group"),
         )
         if self.lora_gated:  # swiglu fc1: B's rows are [gate_r; up_r] like the weight's
@@ -99,7 +104,7 @@ class _LoraMixin:
         return out
 
 
-def _classes() -> dict[str, type]:
+def _classes() -> dict[str, type[Any]]:
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
         reduce_from_tensor_model_parallel_region,
@@ -242,7 +247,7 @@ def adapter_tensors(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The full adapter tensors of a LoRA checkpoint (``saved``: its tensors, checkpoint.load_tensors) by
     global parameter name (``decoder.layers.<global layer>.<linear>.lora_a`` / ``.lora_b``); megatron saves
     the layers stacked (``decoder.layers.<linear>.lora_a`` with a leading layer axis), unstacked here."""
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for key, t in saved.items():
         if not is_adapter_key(key) or key.startswith("optimizer"):
             continue

@@ -228,9 +228,9 @@ class PPOUnit(GRPOUnit):
                     acc[0] += float(v[0])
                     acc[1] += float(v[1])
         critic.scheduler.step(increment=1)
-        out = D.reduce_metrics({k: tuple(sums.get(k, (0.0, 0.0))) for k in step.metric_names})
-        out["value_grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        return out
+        metrics = D.reduce_metrics({k: tuple(sums.get(k, (0.0, 0.0))) for k in step.metric_names})
+        metrics["value_grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        return metrics
 
 
 def critic_model(env: Any) -> NamedModel:

@@ -306,8 +306,9 @@ def all_reduce_sum(values: Sequence[float] | np.ndarray | torch.Tensor) -> np.nd
     return t.cpu().numpy()
 
 
-def reduce_metrics(sums: Mapping[str, tuple[float, float]]) -> dict[str, float]:
-    """Global ratio sum/count of each metric; only loss-owning ranks contribute (the rest pass anything)."""
+def reduce_metrics(sums: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Global ratio sum/count of each metric (``sums``: (sum, count) pairs); only loss-owning ranks contribute
+    (the rest pass anything)."""
     names = sorted(sums)
     own = owns_loss()
     flat = [x for n in names for x in (sums[n] if own else (0.0, 0.0))]

@@ -412,7 +412,7 @@ class Trainer:
             self._beat()
             if self.checkpointer is not None:
                 self.checkpointer.finalize()
-                saved = len(self.checkpointer.save_seconds)
+                saves_before = len(self.checkpointer.save_seconds)
                 self.checkpointer.maybe_save(
                     s,
                     s == st.iters,
@@ -423,7 +423,7 @@ class Trainer:
                     self.state(),
                     models=self.unit.trained_models(),
                 )
-                if len(self.checkpointer.save_seconds) > saved:
+                if len(self.checkpointer.save_seconds) > saves_before:
                     self.metrics.write(
                         {
                             "kind": "checkpoint",

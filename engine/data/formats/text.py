@@ -48,7 +48,7 @@ class Text(Format):
     """Byte ranges of ``data.shard_mb``; a unit owns the lines that start inside its range."""
 
     name = "text"
-    suffixes = (".txt", ".md")
+    suffixes: tuple[str, ...] = (".txt", ".md")
 
     def units(self, path: Path, shard_bytes: int) -> list[tuple[int, int]]:
         return byte_ranges(path, shard_bytes)
