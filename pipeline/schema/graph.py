@@ -6,7 +6,7 @@ language model (``LM_STAGES``: eval scores them, export exports them, ``init_fro
 dependencies, what a stage reads under a config (``required``) and the config section's dataclass (``section``;
 ``pipeline.schema.config`` checks at import that ``PipelineConfig`` has a field of that type per stage). Adding a
 stage: one ``Stage(...)`` here, its section field in ``PipelineConfig``, its module ``stages/<name>.py`` with
-``main(cfg, ctx)`` and its entry in ``stages.ENTRIES`` (docs/EXTENDING.md).
+``main(cfg, ctx)``, which ``stages.entry`` finds by the name (docs/EXTENDING.md).
 """
 
 from __future__ import annotations
