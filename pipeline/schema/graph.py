@@ -165,7 +165,7 @@ def hash_upstream(stage: str, cfg: Any) -> tuple[str, ...]:
 def export_source(cfg: Any) -> str:
     """The stage the export step exports: ``export.stage``, else the last language-model training stage in
     ``run.stages`` (else rlhf)."""
-    chosen = getattr(cfg.export, "stage", None)
+    chosen = cfg.export.stage
     if chosen:
         return str(chosen)
     in_run = [s for s in LM_STAGES if s in cfg.run.stages]

@@ -63,7 +63,7 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: World) -> dict[str, A
     scratch = out / f".shards-{key}"
     if world.rank == 0:
         for stale in [*out.glob(".shards-*"), *out.glob(".world-*")]:
-            if stale not in (scratch, getattr(world, "folder", None)):
+            if stale not in (scratch, world.folder):
                 shutil.rmtree(stale, ignore_errors=True)
         scratch.mkdir(exist_ok=True)
     world.barrier()

@@ -26,6 +26,9 @@ T = TypeVar("T")
 class World:
     """One process, or the MPI world when launched by mpiexec (mpi4py imported only then)."""
 
+    folder: Path | None = None
+    """Where the ranks of a FileWorld meet (None: they meet through MPI, or there is one)."""
+
     def __init__(self, comm: Any = None) -> None:
         self.comm = comm
         self.rank = comm.Get_rank() if comm else 0
@@ -78,18 +81,18 @@ class FileWorld(World):
 
     def __init__(self, rank: int, size: int, folder: Path) -> None:
         super().__init__()
-        self.rank, self.size, self.folder, self._n = rank, size, folder, 0
+        self.rank, self.size, self.folder, self._dir, self._n = rank, size, folder, folder, 0
         folder.mkdir(parents=True, exist_ok=True)
 
     def _put(self, name: str, value: Any) -> None:
         import pickle
 
-        atomic_write_bytes(self.folder / name, pickle.dumps(value))
+        atomic_write_bytes(self._dir / name, pickle.dumps(value))
 
     def _get(self, name: str) -> Any:
         import pickle
 
-        path = self.folder / name
+        path = self._dir / name
         while not path.is_file():
             time.sleep(self.POLL_S)
         return pickle.loads(path.read_bytes())
