@@ -29,19 +29,14 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         return True
 
     def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
+        from engine.data.chat import train_preferences
         from engine.data.datasets import preference_source
 
         d = data_dir(ctx)
         held_out = preference_source(d / "eval_pref.jsonl", tokenizer, seq_length, st.seed)
-        return _preferences(d, tokenizer, seq_length, st.seed), held_out
+        return train_preferences(d, tokenizer, seq_length, st.seed), held_out
 
     return train_stage(cfg, ctx, step=make_step("reward"), sources=sources, init_weights=init_weights)
-
-
-def _preferences(d: Any, tokenizer: Any, seq_length: int, seed: int) -> Any:
-    from engine.data.chat import train_preferences
-
-    return train_preferences(d, tokenizer, seq_length, seed)
 
 
 def _load_backbone(ckpt: Any, chunks: list, fresh: tuple[str, ...]) -> None:

@@ -156,21 +156,11 @@ class WithReference:
 
 def dpo_unit(env: Any, inputs: RLInputs) -> tuple[TrainUnit, None]:
     """DPO's unit: the preference pairs, each with the frozen reference's log-probs (cached in out_dir)."""
-    prefs = _preferences(inputs.data_dir, env.tokenizer, env.seq_length, env.stage.seed)
+    from engine.data.chat import train_preferences
+
+    prefs = train_preferences(inputs.data_dir, env.tokenizer, env.seq_length, env.stage.seed)
     ref = _reference(env.ctx.out_dir / REFERENCE_FILE, prefs, env)
     return TrainUnit(WithReference(prefs, ref, 0)), None
-
-
-def _preferences(d: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
-    """Users' pairs (data.pref_paths, rendered by data_prep) when given, else the generated pref_train.jsonl."""
-    from engine.data.datasets import preference_source, read_manifest
-
-    chat_file = read_manifest(d, verify=False).get("pref_file")
-    if chat_file:
-        from engine.data.chat import chat_preference_source
-
-        return chat_preference_source(d / chat_file, tokenizer, seq_length, seed)
-    return preference_source(d / "pref_train.jsonl", tokenizer, seq_length, seed)
 
 
 def _reference(path: Path, prefs: Any, env: Any) -> np.ndarray:

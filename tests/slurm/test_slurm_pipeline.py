@@ -213,7 +213,7 @@ def test_hung_job_dumps_stacks_and_is_requeued(cluster, tmp_path):
     wait_sacct(cluster, job, ["REQUEUED", "COMPLETED"])
     logs = "".join(p.read_text() for p in (run_dir / "jobs" / "pretrain").rglob("*_log.*"))
     assert "[watchdog] no progress" in logs and "HangDetected: exiting with code 86" in logs
-    assert "faults.py" in logs, "the hung thread's stack is in the log"
+    assert "fault_injection.py" in logs, "the hung thread's stack is in the log"
 
 
 @pytest.mark.timeout(600)

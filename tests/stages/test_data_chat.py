@@ -12,7 +12,7 @@ from engine.context import StageContext
 from engine.data import chat
 from engine.data.datasets import load_tokenizer, read_manifest
 from pipeline.schema.config import DataConfig, PipelineConfig
-from stages import data_prep, rlhf
+from stages import data_prep
 
 CHATML = (
     "{% for message in messages %}"
@@ -114,7 +114,7 @@ def test_hf_tokenizer_chat_template_masks_assistant_turns(prepared: Path, tmp_pa
 
 def test_preference_pairs_through_the_rlhf_data_path(prepared: Path) -> None:
     tok = load_tokenizer(prepared / "tokenizer.json")
-    prefs = rlhf._preferences(prepared, tok, 48, 0)  # what the DPO stage trains on
+    prefs = chat.train_preferences(prepared, tok, 48, 0)  # what the DPO and reward-model stages train on
     assert len(prefs) == 2
     rows = [prefs.fetch(j) for j in range(2)]
     got = sorted(
