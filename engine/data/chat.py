@@ -215,7 +215,7 @@ def _row(ids: list[int], loss: list[int], seq_length: int, pad: int) -> dict[str
 
 def chat_sft_source(path: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
     """SFT samples from ``sft_chat.jsonl`` (rendered segments): loss exactly on the trained segments' tokens."""
-    from engine.data.datasets import EpochSource, _stack, _warn_truncated
+    from engine.data.datasets import _warn_truncated, stacked_source
 
     rows, truncated, n = [], 0, 0
     for where, rec in iter_records(Path(path)):
@@ -234,18 +234,12 @@ def chat_sft_source(path: Path, tokenizer: Any, seq_length: int, seed: int) -> A
     if not rows:
         raise ValueError(f"{path}: no records")
     _warn_truncated(str(path), truncated, n, seq_length)
-    arrays = _stack(rows)
-    source = EpochSource(
-        len(rows), lambda j: {k: v[j] for k, v in arrays.items()}, seed, f"chat_sft_source({path})"
-    )
-    source.num_truncated = truncated  # type: ignore[attr-defined]
-    source.num_examples = n  # type: ignore[attr-defined]
-    return source
+    return stacked_source(rows, seed, f"chat_sft_source({path})", truncated=truncated, examples=n)
 
 
 def chat_preference_source(path: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
     """DPO samples from ``pref_chat.jsonl``: arrays [2, seq], row 0 chosen, row 1 rejected, loss on the reply."""
-    from engine.data.datasets import EpochSource, _stack, _warn_truncated
+    from engine.data.datasets import _stack, _warn_truncated, stacked_source
 
     rows, truncated = [], 0
     for _, rec in iter_records(Path(path)):
@@ -262,12 +256,7 @@ def chat_preference_source(path: Path, tokenizer: Any, seq_length: int, seed: in
     if not rows:
         raise ValueError(f"{path}: no records")
     _warn_truncated(str(path), truncated, len(rows), seq_length)
-    arrays = _stack(rows)
-    source = EpochSource(
-        len(rows), lambda j: {k: v[j] for k, v in arrays.items()}, seed, f"chat_preference_source({path})"
-    )
-    source.num_truncated = truncated  # type: ignore[attr-defined]
-    return source
+    return stacked_source(rows, seed, f"chat_preference_source({path})", truncated=truncated)
 
 
 def train_preferences(data_dir: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:

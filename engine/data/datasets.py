@@ -184,13 +184,26 @@ def read_manifest(data_dir: str | Path, verify: bool = True) -> dict[str, Any]:
 class EpochSource:
     """``n`` base samples repeated in epochs, each epoch in its own seeded permutation; any ``i >= 0``."""
 
-    def __init__(self, n: int, fetch: Callable[[int], dict[str, np.ndarray]], seed: int, name: str) -> None:
+    def __init__(
+        self,
+        n: int,
+        fetch: Callable[[int], dict[str, np.ndarray]],
+        seed: int,
+        name: str,
+        *,
+        num_truncated: int = 0,
+        num_examples: int | None = None,
+    ) -> None:
         if n <= 0:
             raise ValueError(f"{name}: no samples")
         self.n = n
         self.fetch = fetch
         self.seed = seed
         self.name = name
+        self.num_truncated = num_truncated
+        """Examples cut at seq_length (warned once where the source is built)."""
+        self.num_examples = n if num_examples is None else num_examples
+        """Examples read (more than ``n`` when several are packed into one row)."""
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def __len__(self) -> int:
@@ -312,6 +325,21 @@ def encode_example(
     return _row(ids[: seq_length + 1], loss[: seq_length + 1], seq_length, tokenizer.pad), truncated
 
 
+def stacked_source(
+    rows: list[dict[str, np.ndarray]], seed: int, name: str, *, truncated: int, examples: int | None = None
+) -> EpochSource:
+    """An epoch source over ``rows`` stacked into arrays (one row per sample)."""
+    arrays = _stack(rows)
+    return EpochSource(
+        len(rows),
+        lambda j: {k: v[j] for k, v in arrays.items()},
+        seed,
+        name,
+        num_truncated=truncated,
+        num_examples=examples,
+    )
+
+
 def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
@@ -368,13 +396,7 @@ def sft_source(
         cur_loss += loss
     flush()
     _warn_truncated(str(jsonl_path), truncated, len(recs), seq_length)
-    arrays = _stack(rows)
-    source = EpochSource(
-        len(rows), lambda j: {k: v[j] for k, v in arrays.items()}, seed, f"sft_source({jsonl_path})"
-    )
-    source.num_truncated = truncated  # type: ignore[attr-defined]
-    source.num_examples = len(recs)  # type: ignore[attr-defined]
-    return source
+    return stacked_source(rows, seed, f"sft_source({jsonl_path})", truncated=truncated, examples=len(recs))
 
 
 def _row(
@@ -425,12 +447,7 @@ def preference_source(jsonl_path: Path, tokenizer: Tokenizer, seq_length: int, s
         rows.append(_stack([row_c, row_r]))
         truncated += cut_c or cut_r
     _warn_truncated(str(jsonl_path), truncated, len(recs), seq_length)
-    arrays = _stack(rows)
-    source = EpochSource(
-        len(recs), lambda j: {k: v[j] for k, v in arrays.items()}, seed, f"preference_source({jsonl_path})"
-    )
-    source.num_truncated = truncated  # type: ignore[attr-defined]
-    return source
+    return stacked_source(rows, seed, f"preference_source({jsonl_path})", truncated=truncated)
 
 
 # ---------------------------------------------------------------------------- global sample index
