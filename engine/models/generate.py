@@ -151,8 +151,9 @@ def generate(
 ) -> Generation:
     """Continue each prompt (token ids, any lengths, none empty); see the module docstring.
 
-    ``vocab_size``: the tokenizer's size (logits of the padded vocabulary rows beyond it are never
-    sampled). The prompt plus ``max_new_tokens`` must fit in the model's position embeddings.
+    ``vocab_size``: the tokenizer's size: ids beyond it are never sampled (a Hugging Face model's spare rows;
+    the padded vocabulary entries are never sampled anyway: their logits are -inf, engine.models.gpt's
+    ``mask_padded_vocab``). The prompt plus ``max_new_tokens`` must fit in the model's position embeddings.
     """
     if not prompts:
         return Generation()

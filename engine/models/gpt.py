@@ -3,6 +3,11 @@
 ``build_model`` returns the list of model chunks (one per virtual pipeline stage on this rank), each wrapped
 in megatron's DistributedDataParallel, with ``config.finalize_model_grads_func`` set (without it the
 data-parallel gradients are never reduced). Call it after ``engine.runtime.distributed.init``.
+
+The embedding and output tables are padded to a multiple of ``make_vocab_size_divisible_by x tp``
+(``padded_vocab_size``); the padded entries are not tokens: their logits are -inf at the output layer
+(``mask_padded_vocab``), so every softmax over the vocabulary (the loss, log-probs, perplexity, sampling)
+is that of the real vocabulary, whatever the padding and the layout.
 """
 
 from __future__ import annotations
@@ -26,6 +31,30 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Vocabulary rounded up to a multiple of ``divisible_by x tp`` (megatron's embedding padding)."""
     multiple = divisible_by * tp
     return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def mask_padded_vocab(gpt: Any, vocab_size: int, tp_rank: int, tp_size: int) -> None:
+    """Make the logits of the padded vocabulary entries (ids >= ``vocab_size``) -inf, in place, at the output
+    layer of a last-stage GPTModel: probability 0 and no gradient in every consumer.
+
+    Under tensor parallelism each rank masks the padded ids inside its own shard (an all-padding shard is
+    all -inf; megatron's vocab-parallel cross entropy takes the max over all ranks, so it stays finite), or
+    the padded tail of the gathered logits (generation's ``runtime_gather_output``). Nothing is done when
+    nothing is padded (the numbers of an unpadded vocabulary are unchanged bit for bit).
+    """
+    padded = int(gpt.vocab_size)
+    if padded <= vocab_size:
+        return
+    shard = padded // tp_size
+    shard_start = min(max(vocab_size - tp_rank * shard, 0), shard)  # first padded id in this rank's shard
+
+    def mask(_module: Any, _args: Any, out: tuple[torch.Tensor, Any]) -> None:
+        logits = out[0]
+        start = vocab_size if logits.shape[-1] == padded else shard_start  # gathered, or this rank's shard
+        if start < logits.shape[-1]:
+            logits[..., start:] = float("-inf")
+
+    gpt.output_layer.register_forward_hook(mask)
 
 
 def transformer_config(model: ModelConfig, par: ParallelConfig) -> Any:
@@ -100,7 +129,7 @@ def layer_spec(local_spec: Any) -> Any:
     return local_spec
 
 
-def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None) -> Any:
+def _gpt(model: ModelConfig, config: Any, vocab_size: int, padded: int, vp_stage: int | None) -> Any:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -114,7 +143,7 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=chosen,
-        vocab_size=vocab_size,
+        vocab_size=padded,
         max_sequence_length=model.max_position_embeddings or model.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -129,6 +158,8 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, vp_stage: int | None)
         use_for_output(gpt)
     if model.rotary_scaling and model.position_embedding == "rope":
         _llama3_rope(gpt.rotary_pos_emb, model)
+    if gpt.post_process:
+        mask_padded_vocab(gpt, vocab_size, D.tp_rank(), config.tensor_model_parallel_size)
     return gpt
 
 
@@ -166,7 +197,8 @@ def build_model(
 ) -> list[Any]:
     """This rank's model chunks (len = vpp or 1), in DDP, ready for get_megatron_optimizer.
 
-    ``vocab_size`` is the tokenizer's (or model.vocab_size); it is padded here. ``trainable=False``: a
+    ``vocab_size`` is the tokenizer's (model.vocab_size when set); it is padded here, and the padded entries
+    are drawn as zeros and masked out of the logits (``mask_padded_vocab``). ``trainable=False``: a
     frozen model (an RL reference): no DDP wrapper and no gradient buffers, gradients off, eval mode.
     ``peft`` (a PeftConfig with method=lora): LoRA adapters on the targeted linears, every other weight frozen
     (engine/models/lora.py). ``customize(gpt)``: adds modules to each GPTModel before its weights are drawn
@@ -177,7 +209,8 @@ def build_model(
     from megatron.core.transformer.module import Float16Module
 
     config = transformer_config(model, par)
-    vocab = padded_vocab_size(model.vocab_size or vocab_size, model.make_vocab_size_divisible_by, par.tp)
+    vocab = model.vocab_size or vocab_size
+    padded = padded_vocab_size(vocab, model.make_vocab_size_divisible_by, par.tp)
     chunks = par.vpp if par.vpp and par.vpp > 1 else 1
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=par.precision != "fp32",
@@ -186,10 +219,10 @@ def build_model(
     )
     wrapped = []
     for i in range(chunks):
-        module = _gpt(model, config, vocab, i if chunks > 1 else None)
+        module = _gpt(model, config, vocab, padded, i if chunks > 1 else None)
         if customize is not None:
             module = customize(module)
-        init_by_global_name(module, config, D.base_seed(), D.tp_rank(), par.tp)  # same weights at any layout
+        init_by_global_name(module, config, D.base_seed(), D.tp_rank(), par.tp, vocab)  # same at any layout
         if peft is not None and peft.method == "lora":
             from engine.models.lora import apply_lora
 

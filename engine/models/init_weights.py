@@ -10,7 +10,9 @@ same stride; drawn on the parameter's device, so CPU and GPU runs each agree acr
 distributions stay megatron's: ``config.embedding_init_method`` for embeddings,
 ``config.output_layer_init_method`` for the projections into the residual stream (``linear_proj``,
 ``linear_fc2``), ``config.init_method`` for the other weights. Constant parameters (norm weights, biases:
-ones or zeros) are already layout-invariant and left alone.
+ones or zeros) are already layout-invariant and left alone. The vocabulary tables (embedding, output layer)
+are drawn with the real vocabulary's rows and padded with zero rows, so the padding, which grows with tp,
+never changes the real rows (the padded entries are masked out of the logits: engine/models/gpt.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _RESIDUAL_OUT = (".linear_proj.weight", ".linear_fc2.weight")
 _TIED_EMBEDDING = "embedding.word_embeddings.weight"
+_VOCAB_TABLES = (_TIED_EMBEDDING, "output_layer.weight")
 
 
 def global_name(model: Any, name: str) -> str:
@@ -62,9 +65,25 @@ def _tp_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: in
     return torch.cat(pieces[tp_rank::tp_size], dim=dim)
 
 
+def _draw(init: Callable[..., Any], shape: list[int], gen: torch.Generator, rows: int | None) -> torch.Tensor:
+    """A full fp32 tensor drawn by ``init``; with ``rows``: those first rows drawn, the rest zeros (padding)."""
+    full = torch.empty(shape, dtype=torch.float32, device=gen.device)  # drawn where it lives
+    if rows is None or rows >= shape[0]:
+        init(full, generator=gen)
+        return full
+    full[rows:] = 0
+    init(full[:rows], generator=gen)
+    return full
+
+
 @torch.no_grad()
-def init_by_global_name(model: Any, config: Any, seed: int, tp_rank: int, tp_size: int) -> int:
-    """Redraw every random parameter of one GPTModel chunk by its global name; returns how many."""
+def init_by_global_name(
+    model: Any, config: Any, seed: int, tp_rank: int, tp_size: int, vocab_size: int | None = None
+) -> int:
+    """Redraw every random parameter of one GPTModel chunk by its global name; returns how many.
+
+    ``vocab_size``: the real vocabulary (rows of the vocabulary tables drawn; None: all rows, padding too).
+    """
     redrawn = 0
     for name, param in model.named_parameters():
         gname = global_name(model, name)
@@ -73,9 +92,9 @@ def init_by_global_name(model: Any, config: Any, seed: int, tp_rank: int, tp_siz
         shape = list(param.shape)
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shape[int(param.partition_dim)] *= tp_size
-        full = torch.empty(shape, dtype=torch.float32, device=param.device)  # drawn where it lives
         gen = torch.Generator(device=param.device).manual_seed(param_seed(seed, gname))
-        _init_method(config, gname)(full, generator=gen)
+        rows = vocab_size if gname in _VOCAB_TABLES else None
+        full = _draw(_init_method(config, gname), shape, gen, rows)
         param.copy_(_tp_slice(full, param, tp_rank, tp_size).to(param.dtype))
         redrawn += 1
     return redrawn

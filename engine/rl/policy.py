@@ -33,7 +33,10 @@ def clipped_policy_loss(
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(label) per position [b, s] from (tensor-parallel) logits [b, s, vocab / tp] divided by ``temperature``."""
+    """log pi(label) per position [b, s] from (tensor-parallel) logits [b, s, vocab / tp] divided by ``temperature``.
+
+    The padded vocabulary entries are -inf in the model's logits (engine.models.gpt.mask_padded_vocab): the
+    softmax is over the real vocabulary at any layout."""
     from megatron.core import tensor_parallel
 
     scaled = logits.float() / temperature  # a new tensor: megatron's cross entropy works in place
