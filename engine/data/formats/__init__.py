@@ -12,8 +12,8 @@ from typing import Any
 from engine.data.formats.arrow import Hf, Parquet
 from engine.data.formats.base import Bad, Format, Unit, list_files
 from engine.data.formats.delimited import Csv
-from engine.data.formats.jsonl import Jsonl
-from engine.data.formats.megatron import Megatron
+from engine.data.formats.jsonl import Jsonl, first_record
+from engine.data.formats.megatron import Megatron, prefix_tokens
 from engine.data.formats.text import Shakespeare, Text
 
 FORMATS: dict[str, Format] = {
@@ -21,7 +21,17 @@ FORMATS: dict[str, Format] = {
 }
 """Every format by name, in auto-detection order (whole-path formats by ``detect``, files by suffix)."""
 
-__all__ = ["FORMATS", "Bad", "Format", "Unit", "check_source", "file_format", "source_format"]
+__all__ = [
+    "FORMATS",
+    "Bad",
+    "Format",
+    "Unit",
+    "check_chat_file",
+    "check_source",
+    "file_format",
+    "source_format",
+    "source_size",
+]
 
 
 def file_format(path: Path) -> str | None:
@@ -53,3 +63,38 @@ def check_source(src: Any, key: str) -> list[str]:
     except ValueError:  # missing or mixed: the pre-flight file checks or data_prep name it
         return []
     return [p for f in files for p in fmt.check_sample(src, key, f)]
+
+
+def source_size(src: Any, key: str) -> tuple[int | None, int]:
+    """Pre-flight size of a source: (bytes of text to tokenize, None when unknown; tokens it already holds).
+    A missing or mixed source counts 0 (the pre-flight's file checks name it)."""
+    try:
+        fmt = FORMATS[source_format(src, key)]
+        if fmt.tokenized:
+            return 0, prefix_tokens(src.path)[1] if fmt.detect(src.path) else 0
+        sizes = [fmt.text_bytes(f) for f in fmt.files(src, key)]
+    except ValueError:
+        return 0, 0
+    return (None if None in sizes else sum(s or 0 for s in sizes)), 0
+
+
+def check_chat_file(path: Path, key: str, shapes: tuple[tuple[str, ...], ...]) -> list[str]:
+    """Pre-flight of a users' chat data file (JSON lines, plain or .gz/.zst, or Parquet): its first record (its
+    columns) holds one of ``shapes`` (alternative sets of fields); [] when good, else one line."""
+    want = " or ".join("+".join(s) for s in shapes)
+    if path.name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            names = set(pq.ParquetFile(path).schema_arrow.names)
+        except Exception as e:  # pyarrow raises several types for a damaged file
+            return [f"{key}: {path}: not a readable Parquet file: {e}"]
+        ok = any(set(s) <= names for s in shapes)
+        return [] if ok else [f"{key}: {path}: needs columns {want} (columns: {sorted(names)})"]
+
+    def problem(rec: Any) -> str | None:
+        if isinstance(rec, dict) and any(all(k in rec for k in s) for s in shapes):
+            return None
+        return f"a record needs {want}"
+
+    return first_record(path, key, problem)
