@@ -194,7 +194,8 @@ def shared_data_prep(pc: Any, out_dir: Path, prepare: Callable[[], dict[str, Any
             if rank == 0:  # prepared for another run: enough for this run's stages too?
                 from pipeline.schema.data_needs import check_prepared
 
-                check_prepared(pc, json.loads((out / "manifest.json").read_text()).get("counts") or {})
+                meta = json.loads((out / "manifest.json").read_text())
+                check_prepared(pc, meta.get("counts") or {}, meta.get("sources"))
             outputs: dict[str, Any] = json.loads(done.read_text()) if rank == 0 else {"rank": rank}
             outputs.update(reused=True, shared_dir=str(out))
             return outputs

@@ -195,7 +195,7 @@ def prepared_problems(
     per = " / ".join(source_line(n, c) for n, c in (sources or {}).items())
     if not sources and "documents_text" in counts:  # corpus=files|shakespeare: the documents read
         kept = int(counts.get("documents_train", 0)) - int(counts.get("documents_task", 0))
-        per = f"data.corpus={cfg.data.corpus}: {counts['documents_text']} documents, {kept} of them for training"
+        per = f"data.corpus={cfg.data.corpus}: documents read {counts['documents_text']}, for training {kept}"
     for need in needs(cfg):
         have = _count(counts, need.what)
         if have >= need.amount:

@@ -139,7 +139,10 @@ def _prepared_data(cfg: PipelineConfig, stage: str) -> None:
             "run.stages", list(cfg.run.stages), f"{manifest} is unreadable ({e}): add data_prep to run.stages"
         )
     counts = meta.get("counts") if isinstance(meta, dict) else None
-    problems = prepared_problems(cfg, counts if isinstance(counts, dict) else {})
+    sources = meta.get("sources") if isinstance(meta, dict) else None
+    problems = prepared_problems(
+        cfg, counts if isinstance(counts, dict) else {}, sources if isinstance(sources, dict) else None
+    )
     if problems:
         raise ConfigError(f"{problems[0].line()} (data prepared in {manifest.parent})")
 
