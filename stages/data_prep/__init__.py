@@ -22,7 +22,11 @@ Steps (``main``):
    ``rl_train.jsonl`` (online RL's prompt stream: ``{prompt, answer}``, the checker's right answer),
    ``eval_task.jsonl``, ``eval_pref.jsonl`` (held-out prompts never appear in a training file) and
    ``tokenizer.json``.
-6. Write ``manifest.json`` last: counts, vocabulary size, special-token ids and every file's sha256.
+6. Check what remains (``pipeline.schema.data_needs.check_prepared``): enough training text for one global
+   batch of pretrain when it is selected, no requested split empty; otherwise the stage fails, naming the
+   counts, and writes no manifest.
+7. Write ``manifest.json`` last: counts, vocabulary size, the tokenizer's identity, special-token ids and
+   every file's sha256.
    A stale manifest is deleted before anything else is written, and every file goes to a temporary
    name first and is renamed, so a directory with a manifest is always complete and consistent.
 

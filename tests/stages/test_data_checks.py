@@ -475,3 +475,34 @@ def test_compressed_json_lines_get_the_preflight_of_plain_ones(
         extra = [] if arg.startswith("data.sources") else [sources_arg({"path": plain})]
         err = cli_error(tmp_path, capsys, "run.stages=[data_prep]", "data.corpus=sources", arg, *extra)
         assert want in err, err
+
+
+def test_users_chat_data_must_fill_one_batch_of_each_stage_that_reads_it() -> None:
+    """The needs of the selected stages: users' SFT data for sft, preference pairs for the reward model and
+    for rlhf only when its algorithm reads preferences (DPO), the validation split for its readers."""
+    from pipeline.schema.compose import load_config
+    from pipeline.schema.data_needs import needs, prepared_problems
+
+    base = ["experiment=tiny", "data.sft_paths=[x.jsonl]", "data.pref_paths=[y.jsonl]"]
+    cfg = load_config([*base, "run.stages=[data_prep,pretrain,sft,reward_model,rlhf]", "rlhf=dpo"])
+    got = {(n.what, n.key) for n in needs(cfg)}
+    assert got == {
+        ("tokens_train_text", "pretrain.parallel.global_batch_size"),
+        ("tokens_valid", "data.valid_fraction"),
+        ("sft_chat", "sft.parallel.global_batch_size"),
+        ("pref_chat", "reward_model.parallel.global_batch_size"),
+        ("pref_chat", "rlhf.parallel.global_batch_size"),
+    }
+    cfg = load_config([*base, "run.stages=[data_prep,sft,rlhf]", "rlhf=grpo", "sft.seq_length=48"])
+    assert {n.what for n in needs(cfg)} == {"tokens_valid", "sft_chat"}  # GRPO reads prompts, not pairs
+    (valid,) = [n for n in needs(cfg) if n.what == "tokens_valid"]
+    assert valid.amount == 49 and "one sequence of sft (48 + 1 tokens)" in valid.why
+    counts = {"tokens_valid": 500, "sft_chat": 3}
+    (p,) = prepared_problems(cfg, counts)
+    assert p.line() == (
+        "sft.parallel.global_batch_size=8: data.sft_paths hold 3 examples, fewer than one global batch of sft "
+        "(8): add examples or lower the batch"
+    )
+    assert (
+        prepared_problems(load_config([*base, "run.stages=[data_prep]", "data.valid_fraction=0"]), {}) == []
+    )

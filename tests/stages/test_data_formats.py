@@ -462,7 +462,7 @@ def test_csv_bad_rows_are_counted_or_fail_naming_the_line(tmp_path: Path) -> Non
     cfg.data.sources = [DataSource(path=str(tmp_path / "bad.csv"), template="{title} {nope}", name="bad")]
     with pytest.raises(
         ValueError,
-        match=r"'bad'\) contributes nothing: 0 of 23 records kept \(malformed 23\).*no field 'nope'",
+        match=r"source 'bad' contributes nothing: 0 of 23 records kept \(malformed 23\).*no field 'nope'",
     ):
         run_prep(cfg, tmp_path / "dp2")  # every row skipped: data_prep fails, naming the source and counts
     assert not (tmp_path / "dp2" / "manifest.json").exists()

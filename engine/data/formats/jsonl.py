@@ -62,7 +62,8 @@ def numbered_lines(path: Path | str) -> Iterator[tuple[int, bytes]]:
                 yield n, line
     except (OSError, EOFError, zstandard.ZstdError) as e:
         kind = "gzip" if name.endswith(".gz") else "zstd" if name.endswith(".zst") else "JSON-lines"
-        raise ValueError(f"{path}: not a readable {kind} file after line {n}: {e}") from e
+        at = f"after line {n}" if n else "at its start"
+        raise ValueError(f"{path}: not a readable {kind} file {at}: {e}") from e
 
 
 class Jsonl(Format):

@@ -83,7 +83,9 @@ def check_prefix(src: Any, key: str, run_tokenizer: str | None) -> str | None:
     where = f"{key}.path={src.path!r}"
     if run_tokenizer is None:
         made = f", {known[0]} ({known[1]})" if known else ""
-        fix = f"data.tokenizer_path={known[0]}" if known else f"data.tokenizer_path (and {key}.tokenizer) to it"
+        fix = (
+            f"data.tokenizer_path={known[0]}" if known else f"data.tokenizer_path (and {key}.tokenizer) to it"
+        )
         return (
             f"{where}: a megatron prefix holds the token ids of the tokenizer that made it{made}; a tokenizer "
             f"trained by this run (data.tokenizer_path=None) would give them other meanings: set {fix}"
