@@ -4,7 +4,8 @@ Two checks, one set of needs (:func:`needs`):
 
 - Before any job (``pipeline.submit.preflight``): :func:`estimate_problem` bounds the training tokens from the
   size of the inputs, the same way for every ``data.corpus`` (:data:`BYTES_PER_TOKEN`), and refuses a corpus
-  that cannot hold one global batch of pretrain whatever the tokenizer.
+  that cannot hold one global batch of pretrain whatever the tokenizer (compressed files are decompressed
+  only until they hold that much).
 - In data_prep, after cleaning, deduplication and the split, before its manifest is written:
   :func:`prepared_problems` on the exact counts. A problem makes data_prep fail (no manifest, so the ledger never
   says completed and a re-run prepares again); the pre-flight applies the same function to the manifest of
@@ -109,21 +110,24 @@ def needs(cfg: Any) -> list[Need]:
     return out
 
 
-def estimate_problem(cfg: Any, text_bytes: int | None, tokens: int) -> str | None:
-    """The pre-flight's bound, the same for every corpus mode: ``text_bytes`` of text to tokenize (None:
-    unknown, e.g. a large compressed file) and ``tokens`` already tokenized (megatron prefixes) hold at most
-    ``text_bytes / BYTES_PER_TOKEN + tokens`` training tokens. The problem when that is below pretrain's need."""
-    if text_bytes is None:
-        return None
+def train_need(cfg: Any) -> Need | None:
+    """The training tokens the selected stages need (pretrain's global batch), if any."""
+    return next((n for n in needs(cfg) if n.what == "tokens_train_text"), None)
+
+
+def estimate_problem(cfg: Any, text_bytes: int, tokens: int) -> str | None:
+    """The pre-flight's bound, the same for every corpus mode: ``text_bytes`` of text to tokenize and
+    ``tokens`` already tokenized (megatron prefixes) hold at most ``text_bytes / BYTES_PER_TOKEN + tokens``
+    training tokens. The problem when that is below pretrain's need."""
+    need = train_need(cfg)
     at_most = int(text_bytes / BYTES_PER_TOKEN) + tokens
-    for need in needs(cfg):
-        if need.what == "tokens_train_text" and at_most < need.amount:
-            prefixes = f" plus {tokens} tokens of megatron prefixes" if tokens else ""
-            return (
-                f"the corpus holds at most {at_most} training tokens ({text_bytes} bytes of text at one token per "
-                f"byte at most{prefixes}), fewer than {need.why}: add text or lower the batch"
-            )
-    return None
+    if need is None or at_most >= need.amount:
+        return None
+    prefixes = f" plus {tokens} tokens of megatron prefixes" if tokens else ""
+    return (
+        f"the corpus holds at most {at_most} training tokens ({text_bytes} bytes of text at one token per "
+        f"byte at most{prefixes}), fewer than {need.why}: add text or lower the batch"
+    )
 
 
 def source_line(name: str, c: dict[str, Any]) -> str:

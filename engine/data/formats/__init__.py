@@ -65,17 +65,22 @@ def check_source(src: Any, key: str) -> list[str]:
     return [p for f in files for p in fmt.check_sample(src, key, f)]
 
 
-def source_size(src: Any, key: str) -> tuple[int | None, int]:
-    """Pre-flight size of a source: (bytes of text to tokenize, None when unknown; tokens it already holds).
-    A missing or mixed source counts 0 (the pre-flight's file checks name it)."""
+def source_size(src: Any, key: str, enough: int) -> tuple[int, int]:
+    """Pre-flight size of a source: (bytes of text to tokenize, tokens it already holds); reading stops once
+    ``enough`` bytes are certain. A missing or mixed source counts 0 (the pre-flight's file checks name it)."""
     try:
         fmt = FORMATS[source_format(src, key)]
         if fmt.tokenized:
             return 0, prefix_tokens(src.path)[1] if fmt.detect(src.path) else 0
-        sizes = [fmt.text_bytes(f) for f in fmt.files(src, key)]
+        files = fmt.files(src, key)
     except ValueError:
         return 0, 0
-    return (None if None in sizes else sum(s or 0 for s in sizes)), 0
+    size = 0
+    for f in files:
+        size += fmt.text_bytes(f, enough - size)
+        if size >= enough:
+            break
+    return size, 0
 
 
 def check_chat_file(path: Path, key: str, shapes: tuple[tuple[str, ...], ...]) -> list[str]:

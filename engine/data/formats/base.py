@@ -75,9 +75,9 @@ class Format:
         """Pre-flight, before any job: problems with the first record of ``path`` (none checked by default)."""
         return []
 
-    def text_bytes(self, path: Path) -> int | None:
-        """Pre-flight size estimate: at most this many bytes of text in ``path`` (None: unknown without
-        reading it all); the file's size by default."""
+    def text_bytes(self, path: Path, enough: int) -> int:
+        """Pre-flight size estimate: at most this many bytes of text in ``path``, or any number >= ``enough``
+        once that many are certain (a compressed file is read no further); the file's size by default."""
         return path.stat().st_size
 
 

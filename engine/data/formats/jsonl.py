@@ -24,9 +24,6 @@ from engine.data.formats.base import (
     template_fields,
 )
 
-COUNT_COMPRESSED_BYTES = 8 << 20
-"""Compressed JSON lines up to this size are decompressed by the pre-flight to count their text."""
-
 
 def json_lines(numbered: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, Any]]:
     """(number, record) of the non-blank lines; the record is a :class:`Bad` (no location) when a line is
@@ -90,18 +87,19 @@ class Jsonl(Format):
                 doc.where = where(n)
             yield doc
 
-    def text_bytes(self, path: Path) -> int | None:
-        """A compressed file's text, counted by decompressing it when it is small (below
-        ``COUNT_COMPRESSED_BYTES``); unknown for a larger one."""
-        size = path.stat().st_size
+    def text_bytes(self, path: Path, enough: int) -> int:
+        """A compressed file's text, counted by decompressing it until ``enough`` bytes are certain."""
         if path.name.endswith(".jsonl"):
-            return size
-        if size > COUNT_COMPRESSED_BYTES:
-            return None
+            return path.stat().st_size
+        size = 0
         try:
-            return sum(len(line) for _, line in numbered_lines(path))
-        except ValueError:  # damaged: check_sample names it
-            return None
+            for _, line in numbered_lines(path):
+                size += len(line)
+                if size >= enough:
+                    break
+        except ValueError:  # damaged: check_sample names it; make no claim here
+            return max(size, enough)
+        return size
 
     def check_sample(self, src: Any, key: str, path: Path) -> list[str]:
         """The first record (plain or compressed alike) parses and holds the source's field(s)."""
