@@ -353,6 +353,13 @@ def test_the_preflight_estimate_is_the_same_for_every_corpus_mode(
             in err
         )
         assert "fewer than one global batch of pretrain: 520" in err
+    # a compressed source is decompressed only until it holds one batch
+    from engine.data.formats import source_size
+
+    with gzip.open(tmp_path / "big.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"text": "z" * 90}) + "\n" for _ in range(1000)))  # 100 kB of text
+    size, _ = source_size(DataSource(path=str(tmp_path / "big.jsonl.gz")), "k", 1000)
+    assert 1000 <= size < 1200
 
 
 # ---------------------------------------------------------------------------- templates over null fields
