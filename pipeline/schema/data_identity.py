@@ -191,6 +191,11 @@ def shared_data_prep(pc: Any, out_dir: Path, prepare: Callable[[], dict[str, Any
                 time.sleep(0.05)
             reuse = decision.read_text() == "reuse"
         if reuse:
+            if rank == 0:  # prepared for another run: enough for this run's stages too?
+                from pipeline.schema.data_needs import check_prepared
+
+                meta = json.loads((out / "manifest.json").read_text())
+                check_prepared(pc, meta.get("counts") or {}, meta.get("sources"))
             outputs: dict[str, Any] = json.loads(done.read_text()) if rank == 0 else {"rank": rank}
             outputs.update(reused=True, shared_dir=str(out))
             return outputs
@@ -202,20 +207,103 @@ def shared_data_prep(pc: Any, out_dir: Path, prepare: Callable[[], dict[str, Any
     return outputs
 
 
+# ---------------------------------------------------------------------------- tokenizer identity
+
+SPECIAL_TOKEN_TEXTS = ("<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>")
+"""engine.data.datasets.SPECIAL_TOKENS' values (a test keeps them equal): data prep appends the missing ones."""
+
+
+def vocabulary(path: str | Path) -> dict[int, str]:
+    """id -> token of a tokenizer: a tokenizers JSON (the file, or a directory holding tokenizer.json) or a
+    SentencePiece ``.model``. ValueError naming the file when it is none of them."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if p.suffix == ".model":
+        import sentencepiece as spm
+
+        try:
+            sp = spm.SentencePieceProcessor(model_file=str(p))
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"{p} is not a SentencePiece model ({e})") from e
+        return {i: str(sp.id_to_piece(i)) for i in range(sp.get_piece_size())}
+    try:
+        return vocab_table(json.loads(p.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{p} is not a readable tokenizers JSON file ({type(e).__name__}: {e})") from e
+
+
+def vocab_table(data: dict[str, Any]) -> dict[int, str]:
+    """id -> token of a parsed tokenizers JSON: its model's vocabulary and its added tokens."""
+    vocab = data["model"]["vocab"]
+    if isinstance(vocab, dict):
+        ids = {int(i): str(t) for t, i in vocab.items()}
+    else:  # unigram: [[piece, score], ...]
+        ids = {i: str(v[0]) for i, v in enumerate(vocab)}
+    for t in data.get("added_tokens") or []:
+        ids[int(t["id"])] = str(t["content"])
+    return ids
+
+
+def _ordinary(vocab: dict[int, str], other: dict[int, str] | None = None) -> dict[int, str]:
+    """``vocab`` without the pipeline's special tokens that ``other`` lacks (all of them without ``other``):
+    data prep appends those to a tokenizer that lacks them, after every id the tokenizer has."""
+    theirs = set(other.values()) if other is not None else set()
+    return {i: t for i, t in vocab.items() if t not in SPECIAL_TOKEN_TEXTS or t in theirs}
+
+
+def vocab_digest(vocab: dict[int, str]) -> str:
+    """A tokenizer's identity: sha256 (16 hex digits) of its id -> token table, the pipeline's special tokens
+    left out (data prep appends them where missing, which changes no other id)."""
+    blob = json.dumps(sorted(_ordinary(vocab).items()), ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def vocab_difference(a: dict[int, str], b: dict[int, str]) -> str | None:
+    """None when token ids mean the same tokens in ``a`` and ``b`` (up to the special tokens data prep
+    appends), else the first id that differs, e.g. ``id 17 is 'the' in the first, 'an' in the second``."""
+    ka, kb = _ordinary(a, b), _ordinary(b, a)
+    if ka == kb:
+        return None
+    i = min(i for i in set(ka) | set(kb) if ka.get(i) != kb.get(i))
+    first = repr(ka[i]) if i in ka else "absent"
+    second = repr(kb[i]) if i in kb else "absent"
+    return f"id {i} is {first} in the first, {second} in the second"
+
+
+def tokenizer_record(tokenizer_json: str, given: str | None) -> dict[str, Any]:
+    """What data_prep's manifest records of its tokenizer (``tokenizer``): the vocabulary digest, its size and
+    where it came from (``data.tokenizer_path``, or ``trained``)."""
+    ids = vocab_table(json.loads(tokenizer_json))
+    return {"vocab_sha256": vocab_digest(ids), "vocab_size": max(ids) + 1, "from": given or "trained"}
+
+
 # ---------------------------------------------------------------------------- pre-flight
 
 
-def check_data_inputs(pc: Any, check_source: Callable[[Any, str], list[str]]) -> list[str]:
+CHAT_SHAPES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "data.sft_paths": (("messages",), ("prompt", "response")),
+    "data.pref_paths": (("prompt", "chosen", "rejected"),),
+}
+"""The fields a record of users' chat data needs (engine.data.chat), alternatives per key."""
+
+
+def check_data_inputs(
+    pc: Any,
+    check_source: Callable[[Any, str], list[str]],
+    check_chat: Callable[[Path, str, tuple[tuple[str, ...], ...]], list[str]],
+) -> list[str]:
     """Problems with data_prep's inputs, found before any job starts (empty list: all good).
 
     Every input file must exist, be readable and not be empty; each source passes ``check_source(src, key)``
     (engine.data.formats.check_source: its format's sample check, e.g. the first JSON-lines record parses and
-    holds the source's field, a Parquet or CSV file has the columns); and the corpus must hold (roughly, at 4
-    bytes per token) the tokens of one global batch of pretrain.
+    holds the source's field, a Parquet or CSV file has the columns); each file of users' chat data passes
+    ``check_chat(path, key, shapes)`` (engine.data.formats.check_chat_file: its first record, plain or
+    compressed JSON lines alike, or its Parquet columns, holds :data:`CHAT_SHAPES`' fields). How much text the
+    corpus holds is pipeline.schema.data_needs' estimate, the same for every corpus mode.
     """
     d = pc.data
     problems: list[str] = []
-    total = 0
     for f in input_files(pc):
         if not f.is_file():
             problems.append(f"data: input file not found: {f}")
@@ -223,38 +311,14 @@ def check_data_inputs(pc: Any, check_source: Callable[[Any, str], list[str]]) ->
         if not os.access(f, os.R_OK):
             problems.append(f"data: input file not readable: {f}")
             continue
-        size = f.stat().st_size
-        if size == 0:
+        if f.stat().st_size == 0:
             problems.append(f"data: input file is empty: {f}")
-        total += size
     if d.corpus == "sources":
         for i, src in enumerate(d.sources):
             problems += check_source(src, f"data.sources[{i}]")
     for key, pats in (("data.sft_paths", d.sft_paths), ("data.pref_paths", d.pref_paths)):
         for pat in pats:
             for f in _expand(pat):
-                if f.is_file() and f.suffix == ".jsonl":
-                    problems += _first_json(f, key, None)
-    if "pretrain" in pc.run.stages and d.corpus != "shakespeare":
-        need = pc.pretrain.parallel.global_batch_size * (pc.pretrain.seq_length or pc.model.seq_length)
-        if total and total / 4 < need:
-            problems.append(
-                f"data: the inputs hold about {int(total / 4)} tokens, fewer than one global batch of pretrain "
-                f"({need} = global_batch_size x seq_length)"
-            )
+                if f.is_file() and f.stat().st_size:
+                    problems += check_chat(f, key, CHAT_SHAPES[key])
     return problems
-
-
-def _first_json(f: Path, key: str, field: str | None) -> list[str]:
-    with open(f, "rb") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError as e:
-                return [f"{key}: {f}:{n}: not valid JSON: {e}"]
-            if field is not None and not (isinstance(rec, dict) and isinstance(rec.get(field), str)):
-                return [f"{key}: {f}:{n}: no string field {field!r}"]
-            return []
-    return [f"{key}: {f}: no records"]

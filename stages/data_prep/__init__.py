@@ -22,7 +22,11 @@ Steps (``main``):
    ``rl_train.jsonl`` (online RL's prompt stream: ``{prompt, answer}``, the checker's right answer),
    ``eval_task.jsonl``, ``eval_pref.jsonl`` (held-out prompts never appear in a training file) and
    ``tokenizer.json``.
-6. Write ``manifest.json`` last: counts, vocabulary size, special-token ids and every file's sha256.
+6. Check what remains (``pipeline.schema.data_needs.check_prepared``): enough training text for one global
+   batch of pretrain when it is selected, no requested split empty; otherwise the stage fails, naming the
+   counts, and writes no manifest.
+7. Write ``manifest.json`` last: counts, vocabulary size, the tokenizer's identity, special-token ids and
+   every file's sha256.
    A stale manifest is deleted before anything else is written, and every file goes to a temporary
    name first and is renamed, so a directory with a manifest is always complete and consistent.
 
@@ -50,6 +54,7 @@ from engine.context import StageContext
 from engine.data.datasets import MANIFEST
 from pipeline.records.files import atomic_write_text as _atomic_write
 from pipeline.schema.config import PipelineConfig
+from pipeline.schema.data_needs import check_prepared
 from stages import tasks
 from stages.data_prep.chat_files import write_chat_files
 from stages.data_prep.corpus import (
@@ -145,9 +150,11 @@ def prepare_corpus(cfg: PipelineConfig, out: Path, world: World) -> dict[str, An
         documents_train=len(train_docs),
         documents_valid=len(valid_docs),
         tokens_train=tokens["train"],
+        tokens_train_text=_leading_tokens(out / "text_train", len(train_docs) - len(task_docs)),
         tokens_valid=tokens["valid"],
         corpus_bytes=sum(len(x.encode()) for x in text_docs),
     )
+    check_prepared(cfg, counts)  # what remains is enough for the selected stages, before the manifest
     manifest = write_manifest(out, d, tokenizer, dtype, counts, sources)
     timings["total_s"] = sum(timings.values())
     tok_s = (tokens["train"] + tokens["valid"]) / max(timings["tokenize_s"], 1e-9)
@@ -159,6 +166,13 @@ def prepare_corpus(cfg: PipelineConfig, out: Path, world: World) -> dict[str, An
         "timings": {k: round(v, 3) for k, v in timings.items()},
         "tokens_per_s": round(tok_s),
     }
+
+
+def _leading_tokens(prefix: Path, n: int) -> int:
+    """Tokens of the first ``n`` documents of dataset ``prefix`` (the text before the task documents)."""
+    from engine.data.indexed import documents
+
+    return int(documents(prefix)[1][n])
 
 
 def _tokenize_splits(

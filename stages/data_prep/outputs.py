@@ -12,6 +12,7 @@ import numpy as np
 from engine.data.datasets import MANIFEST, Tokenizer, sha256_file
 from pipeline.records.files import atomic_write_text as _atomic_write
 from pipeline.schema.config import DataConfig
+from pipeline.schema.data_identity import tokenizer_record
 from stages import tasks
 from stages.data_prep.chat_files import CHAT_FILES
 from stages.data_prep.corpus import EVAL_PREF, PREF, RL, SFT, SFT_NOISE, rng
@@ -96,6 +97,7 @@ def write_manifest(
         "stop_token_ids": stop_token_ids(d, tokenizer),
         "format": 1,
         "vocab_size": tokenizer.vocab_size,
+        "tokenizer": tokenizer_record(tokenizer.hf.to_str(), d.tokenizer_path),  # the ids' identity
         "special_tokens": {
             role: {"token": tokenizer.special_tokens[role], "id": i}
             for role, i in tokenizer.special_ids.items()

@@ -14,8 +14,10 @@ import numpy as np
 
 from engine.data.datasets import MANIFEST, Tokenizer
 from engine.data.formats import FORMATS
+from engine.data.formats.megatron import check_prefix, prefix_tokens
 from pipeline.records.files import atomic_write_text as _atomic_write
 from pipeline.schema.config import PipelineConfig
+from pipeline.schema.data_needs import check_prepared
 from stages import tasks
 from stages.data_prep.chat_files import write_chat_files
 from stages.data_prep.corpus import HELD_OUT, MIX, rng, task_documents
@@ -44,6 +46,8 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: World) -> dict[str, A
     if world.rank == 0:
         (out / MANIFEST).unlink(missing_ok=True)
     units, fmts = world.on_root(lambda: ds.plan_units(d.sources, max(1, int(d.shard_mb * 1e6))))
+    if world.rank == 0:
+        _check_token_sources(cfg, fmts)
     held = tasks.make_split(d.num_eval_examples, d.max_operand, rng(d.seed, HELD_OUT), d.task)
 
     def tokenizer_json() -> str:
@@ -125,6 +129,8 @@ def _merge_sources(
         w = text_weight * src.weight / total_w
         if FORMATS[fmt].tokenized:  # joins the blend as it is
             blend.append({"prefix": str(Path(src.path).resolve()), "weight": w, "source": names[i]})
+            n, toks = prefix_tokens(src.path)
+            per[names[i]].update(documents=n, tokens_train=toks)
             continue
         prefix = f"text_train-{names[i]}"
         n, toks, dups = ds.merge_units(
@@ -155,13 +161,16 @@ def _merge_sources(
     _atomic_write(out / "tokenizer.json", tok_json)
     copy_hf_tokenizer_files(d, out)
     counts.update(write_chat_files(out, d, tokenizer))
+    text_tokens = sum(int(c.get("tokens_train", 0)) for c in per.values())
     counts.update(
         documents_train=train_docs + len(task_docs),
         documents_task=len(task_docs),
-        tokens_train=sum(int(c.get("tokens_train", 0)) for c in per.values()) + tokens.get("task", 0),
+        tokens_train=text_tokens + tokens.get("task", 0),
+        tokens_train_text=text_tokens,
         tokens_valid=tokens["valid"],
         tokens_test=tokens["test"],
     )
+    check_prepared(cfg, counts, per)  # what remains after cleaning, before the manifest
     extra = {"blend": blend, "sources": per}
     files = [str(u.path) for u in units]
     manifest = write_manifest(out, d, tokenizer, dtype, counts, sorted(set(files)), text_files, extra)
@@ -172,6 +181,15 @@ def _merge_sources(
         "sources": per,
         "blend": blend,
     }
+
+
+def _check_token_sources(cfg: PipelineConfig, fmts: list[str]) -> None:
+    """One run, one tokenizer (as the pre-flight checks it): every megatron prefix holds ids of this run's."""
+    for i, (src, fmt) in enumerate(zip(cfg.data.sources, fmts)):
+        if FORMATS[fmt].tokenized:
+            problem = check_prefix(src, f"data.sources[{i}]", cfg.data.tokenizer_path)
+            if problem:
+                raise ValueError(problem)
 
 
 def _task_mix(

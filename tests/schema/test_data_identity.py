@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.data.formats import check_source
+from engine.data.formats import check_chat_file, check_source
 from pipeline.records.ledger import COMPLETED, Ledger, StageRecord
 from pipeline.schema import data_identity
 from pipeline.schema.compose import load_config
@@ -120,14 +120,10 @@ def test_preflight_names_missing_empty_and_unparseable_inputs(tmp_path: Path) ->
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"txt": "no text field"}\n')
     cfg = load_config(overrides(tmp_path, good))
-    assert data_identity.check_data_inputs(cfg, check_source) == []
+    assert data_identity.check_data_inputs(cfg, check_source, check_chat_file) == []
     cfg.data.sources[0].path = str(tmp_path / "*.jsonl")
     cfg.data.sft_paths = [str(tmp_path / "missing.jsonl")]
-    problems = "\n".join(data_identity.check_data_inputs(cfg, check_source))
+    problems = "\n".join(data_identity.check_data_inputs(cfg, check_source, check_chat_file))
     assert "empty: " + str(tmp_path / "empty.jsonl") in problems
     assert "bad.jsonl:1: no string field 'text'" in problems
     assert "not found: " + str(tmp_path / "missing.jsonl") in problems
-    cfg = load_config(
-        [*overrides(tmp_path, tmp_path / "bad.jsonl"), "pretrain.parallel.global_batch_size=64"]
-    )
-    assert "fewer than one global batch" in "\n".join(data_identity.check_data_inputs(cfg, check_source))

@@ -75,6 +75,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pref_paths=[str(prefs)],
     )
     cfg.data_prep.threads = 1
+    cfg.run.stages = ["data_prep"]  # data_prep alone: no later stage's batch to fill
     out = root / "data_prep"
     data_prep.main(cfg, StageContext(run_dir=root, stage="data_prep", out_dir=out))
     return out

@@ -140,7 +140,8 @@ def test_dedup_and_length_filters_are_counted(tmp_path: Path) -> None:
     texts = docs(30, 7, "x")
     rows = texts + texts[:5] + ["short"] * 3 + ["y" * 500]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
-    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[10:14]))
+    b_rows = texts[10:14] + docs(1, 8, "y")  # four seen in source a first, one new
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in b_rows))
     cfg = sources_cfg(tmp_path, min_chars=20, max_chars=400, valid_fraction=0.0, test_fraction=0.0)
     cfg.data.sources = [
         DataSource(path=str(tmp_path / "a.jsonl"), name="a"),
@@ -149,13 +150,13 @@ def test_dedup_and_length_filters_are_counted(tmp_path: Path) -> None:
     r = run_prep(cfg, tmp_path / "dp")
     a, b = r["sources"]["a"], r["sources"]["b"]
     assert (a["documents"], a["duplicates"], a["too_short"], a["too_long"]) == (35, 5, 3, 1)
-    assert (b["documents"], b["duplicates"]) == (4, 4)  # all four were seen in source a first
-    assert r["counts"]["documents_train"] == 30
+    assert (b["documents"], b["duplicates"]) == (5, 4)  # four were seen in source a first
+    assert r["counts"]["documents_train"] == 31
     from pipeline.submit.orchestrate import data_counts_lines  # the results summary's lines
 
     assert "a: 30 documents kept (dropped: duplicates 5, too_short 3, too_long 1)" in data_counts_lines(r)
     cfg.data.dedup = False
-    assert run_prep(cfg, tmp_path / "dp2")["counts"]["documents_train"] == 39
+    assert run_prep(cfg, tmp_path / "dp2")["counts"]["documents_train"] == 40
 
 
 def test_bad_records_fail_names_file_and_line_or_skip_with_counts(tmp_path: Path) -> None:
@@ -225,7 +226,13 @@ def test_killed_prep_resumes_per_shard(
 def test_megatron_prefix_joins_the_blend_untokenized(prepared: tuple[Path, dict], tmp_path: Path) -> None:
     out, _ = prepared
     (tmp_path / "x.txt").write_text("\n\n".join(docs(30, 9, "m")) + "\n")
-    cfg = sources_cfg(tmp_path, tokenizer_path=str(out / "tokenizer.json"), task_mix_fraction=0.2)
+    cfg = sources_cfg(
+        tmp_path,
+        tokenizer_path=str(out / "tokenizer.json"),
+        task_mix_fraction=0.2,
+        valid_fraction=0,
+        test_fraction=0,
+    )
     cfg.data.sources = [
         DataSource(path=str(out / "text_train-jsonl"), weight=3.0, name="mega"),
         DataSource(path=str(tmp_path / "x.txt"), weight=1.0),
@@ -453,8 +460,12 @@ def test_csv_bad_rows_are_counted_or_fail_naming_the_line(tmp_path: Path) -> Non
     assert (c["documents"], c["malformed"]) == (20, 3)
     assert "bad.csv:13" in c["examples"][1] and "undecodable" in c["examples"][2]
     cfg.data.sources = [DataSource(path=str(tmp_path / "bad.csv"), template="{title} {nope}", name="bad")]
-    c = run_prep(cfg, tmp_path / "dp2")["sources"]["bad"]
-    assert (c["documents"], c["malformed"]) == (0, 23) and "no field 'nope'" in c["examples"][0]
+    with pytest.raises(
+        ValueError,
+        match=r"source 'bad' contributes nothing: 0 of 23 records kept \(malformed 23\).*no field 'nope'",
+    ):
+        run_prep(cfg, tmp_path / "dp2")  # every row skipped: data_prep fails, naming the source and counts
+    assert not (tmp_path / "dp2" / "manifest.json").exists()
 
 
 def test_csv_sources_end_to_end(tmp_path: Path) -> None:

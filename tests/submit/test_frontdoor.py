@@ -395,5 +395,5 @@ def test_prepared_data_too_small_for_one_batch(tmp_path: Path, capsys: pytest.Ca
     code = main(["experiment=tiny", f"run.root={tmp_path / 'runs'}", "run.stages=[pretrain]"])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert code == 2 and len(err) == 1 and LINE.match(err[0]), err
-    assert "100 training tokens" in err[0] and "needs 520" in err[0], err
+    assert "holds 100 tokens" in err[0] and "one global batch of pretrain: 520" in err[0], err
     assert sorted(p.name for p in run_dir.iterdir()) == ["ledger", "stages"], "nothing more written"

@@ -57,10 +57,12 @@ def tiny_config(corpus: Path, **data: object) -> PipelineConfig:
 
 
 def prep_config(fields: dict[str, object], overrides: dict[str, object]) -> PipelineConfig:
-    """A default config whose ``data`` section is ``fields`` updated by ``overrides``, data_prep on 1 thread."""
+    """A default config whose ``data`` section is ``fields`` updated by ``overrides``, data_prep on 1 thread,
+    ``run.stages=[data_prep]`` (so data_prep's checks after cleaning hold it to no later stage's batch)."""
     cfg = PipelineConfig()
     cfg.data = DataConfig(**{**fields, **overrides})  # type: ignore[arg-type]
     cfg.data_prep.threads = 1
+    cfg.run.stages = ["data_prep"]
     return cfg
 
 

@@ -12,8 +12,8 @@ from typing import Any
 from engine.data.formats.arrow import Hf, Parquet
 from engine.data.formats.base import Bad, Format, Unit, list_files
 from engine.data.formats.delimited import Csv
-from engine.data.formats.jsonl import Jsonl
-from engine.data.formats.megatron import Megatron
+from engine.data.formats.jsonl import Jsonl, first_record
+from engine.data.formats.megatron import Megatron, prefix_tokens
 from engine.data.formats.text import Shakespeare, Text
 
 FORMATS: dict[str, Format] = {
@@ -21,7 +21,17 @@ FORMATS: dict[str, Format] = {
 }
 """Every format by name, in auto-detection order (whole-path formats by ``detect``, files by suffix)."""
 
-__all__ = ["FORMATS", "Bad", "Format", "Unit", "check_source", "file_format", "source_format"]
+__all__ = [
+    "FORMATS",
+    "Bad",
+    "Format",
+    "Unit",
+    "check_chat_file",
+    "check_source",
+    "file_format",
+    "source_format",
+    "source_size",
+]
 
 
 def file_format(path: Path) -> str | None:
@@ -53,3 +63,43 @@ def check_source(src: Any, key: str) -> list[str]:
     except ValueError:  # missing or mixed: the pre-flight file checks or data_prep name it
         return []
     return [p for f in files for p in fmt.check_sample(src, key, f)]
+
+
+def source_size(src: Any, key: str, enough: int) -> tuple[int, int]:
+    """Pre-flight size of a source: (bytes of text to tokenize, tokens it already holds); reading stops once
+    ``enough`` bytes are certain. A missing or mixed source counts 0 (the pre-flight's file checks name it)."""
+    try:
+        fmt = FORMATS[source_format(src, key)]
+        if fmt.tokenized:
+            return 0, prefix_tokens(src.path)[1] if fmt.detect(src.path) else 0
+        files = fmt.files(src, key)
+    except ValueError:
+        return 0, 0
+    size = 0
+    for f in files:
+        size += fmt.text_bytes(f, enough - size)
+        if size >= enough:
+            break
+    return size, 0
+
+
+def check_chat_file(path: Path, key: str, shapes: tuple[tuple[str, ...], ...]) -> list[str]:
+    """Pre-flight of a users' chat data file (JSON lines, plain or .gz/.zst, or Parquet): its first record (its
+    columns) holds one of ``shapes`` (alternative sets of fields); [] when good, else one line."""
+    want = " or ".join("+".join(s) for s in shapes)
+    if path.name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            names = set(pq.ParquetFile(path).schema_arrow.names)
+        except Exception as e:  # pyarrow raises several types for a damaged file
+            return [f"{key}: {path}: not a readable Parquet file: {e}"]
+        ok = any(set(s) <= names for s in shapes)
+        return [] if ok else [f"{key}: {path}: needs columns {want} (columns: {sorted(names)})"]
+
+    def problem(rec: Any) -> str | None:
+        if isinstance(rec, dict) and any(all(k in rec for k in s) for s in shapes):
+            return None
+        return f"a record needs {want}"
+
+    return first_record(path, key, problem)

@@ -9,6 +9,8 @@ or :class:`Bad` for a malformed record, in file order).
 from __future__ import annotations
 
 import glob
+import math
+import re
 import string
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -73,6 +75,11 @@ class Format:
         """Pre-flight, before any job: problems with the first record of ``path`` (none checked by default)."""
         return []
 
+    def text_bytes(self, path: Path, enough: int) -> int:
+        """Pre-flight size estimate: at most this many bytes of text in ``path``, or any number >= ``enough``
+        once that many are certain (a compressed file is read no further); the file's size by default."""
+        return path.stat().st_size
+
 
 def list_files(src: Any, key: str, accept: Callable[[Path], bool], label: str | None) -> list[Path]:
     """A source's files, sorted: a glob's hits, a directory's accepted files, or the file itself.
@@ -132,23 +139,50 @@ def line_number(path: str, offset: int) -> int:
     return n
 
 
+def is_null(value: Any) -> bool:
+    """A missing value as the formats give it: JSON null, an Arrow null (None) or a float NaN (pandas' null)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def template_problem(rec: dict[str, Any], template: str) -> str | None:
+    """Why ``template`` cannot be filled from ``rec`` (a field it names is absent or null), else None."""
+    for name in template_fields(template):
+        if name not in rec:
+            return f"template {template!r}: missing field {name!r}"
+        if is_null(rec[name]):
+            return f"template {template!r}: field {name!r} is null"
+    return None
+
+
 def from_record(rec: Any, src: Any) -> str | Bad:
-    """A record's document: ``src.template`` over its fields, else its string field ``src.text_field``."""
+    """A record's document: ``src.template`` over its fields, else its string field ``src.text_field``.
+
+    A template over a missing or null field is a malformed record (never the text ``"None"``)."""
     if not isinstance(rec, dict):
         return Bad("", "record is not an object")
     if src.template:
+        problem = template_problem(rec, src.template)
+        if problem:
+            return Bad("", problem)
         try:
             return str(src.template.format_map(rec))
-        except (KeyError, IndexError, ValueError) as e:
-            return Bad("", f"template {src.template!r}: missing field {e}")
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
+            return Bad("", f"template {src.template!r}: cannot fill it ({type(e).__name__}: {e})")
     value = rec.get(src.text_field)
     if not isinstance(value, str):
         return Bad("", f"no string field {src.text_field!r}")
     return value
 
 
+def template_fields(template: str) -> list[str]:
+    """The record fields a template names (sorted; ``{a.b}`` and ``{a[0]}`` name ``a``)."""
+    return sorted(
+        {re.split(r"[.\[]", f, maxsplit=1)[0] for _, f, _, _ in string.Formatter().parse(template) if f}
+    )
+
+
 def columns(src: Any) -> list[str]:
     """The fields a record needs (sorted): those the template names, else ``text_field``."""
     if src.template:
-        return sorted({f for _, f, _, _ in string.Formatter().parse(src.template) if f})
+        return template_fields(src.template)
     return [src.text_field]

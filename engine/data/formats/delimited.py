@@ -1,8 +1,9 @@
 """Delimiter-separated values: ``.csv`` (comma) and ``.tsv`` (tab), read with Python's csv module.
 
 The first row is the header (column names); each further row is one record, its document chosen by
-``text_field`` (a column) or ``template`` (str.format over the columns). One unit per file: a quoted field may
-span lines, so a file cannot be entered mid-way. A row with the wrong column count, a missing column or
+``text_field`` (a column) or ``template`` (str.format over the columns; an empty cell is a null, so a
+template over it makes the row malformed). One unit per file: a quoted field may span lines, so a file cannot
+be entered mid-way. A row with the wrong column count, a missing column or
 undecodable bytes is malformed (``data.bad_records``).
 """
 
@@ -80,7 +81,10 @@ def _row_document(
         return Bad(where, "undecodable UTF-8")
     if missing:
         return Bad(where, f"no field {missing[0]!r}")
-    doc = from_record(dict(zip(header, row)), src)
+    rec: dict[str, str | None] = dict(zip(header, row))
+    if src.template:  # CSV has no null: an empty cell is one (as pandas and pyarrow read it)
+        rec = {k: v if v != "" else None for k, v in rec.items()}
+    doc = from_record(rec, src)
     if isinstance(doc, Bad):
         doc.where = where
     return doc
