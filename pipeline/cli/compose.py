@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 import sys
 import types
 import typing
@@ -26,7 +25,7 @@ from pipeline.schema.compose import CONF_DIR, InFile, compose_traced
 from pipeline.schema.config import PipelineConfig
 from pipeline.schema.domains import domain_of
 from pipeline.schema.errors import ConfigError
-from pipeline.schema.origins import Origins, key_lines, leaves, package_header, shown
+from pipeline.schema.origins import YAML_HINTS, Origins, key_lines, leaves, line_key, package_header, shown
 from pipeline.submit.preflight import preflight
 
 EXIT_OK = 0
@@ -108,8 +107,18 @@ def load(overrides: list[str], *, inputs: bool = True) -> PipelineConfig:
 
 def load_traced(overrides: list[str], *, inputs: bool = True) -> tuple[PipelineConfig, Origins]:
     """``load`` that also returns where each value came from."""
+    from omegaconf import OmegaConf
+
     try:
         cfg, origins = compose_traced(overrides)
+    except ConfigError:
+        raise
+    except Exception as e:
+        err = normalize(e, overrides)
+        if err is None:
+            raise
+        raise err from None
+    try:
         pc, origins = build_traced(cfg, resolve=hf_model.apply, origins=origins)
         if inputs:
             try:
@@ -119,11 +128,14 @@ def load_traced(overrides: list[str], *, inputs: bool = True) -> tuple[PipelineC
         return pc, origins
     except ConfigError:
         raise
-    except Exception as e:
+    except Exception as e:  # an interpolation or ??? found while resolving: say which file holds it
         err = normalize(e, overrides)
         if err is None:
             raise
-        raise err from None
+        raw = OmegaConf.to_container(cfg, resolve=False)
+        raise ConfigError(
+            origins.annotate(str(err), dict(leaves(raw)) if isinstance(raw, dict) else {})
+        ) from None
 
 
 def config_yaml(pc: PipelineConfig, origins: Origins) -> str:
@@ -398,16 +410,6 @@ def _in_file(e: InFile) -> ConfigError:
     return ConfigError(f"{key}={written}: {_first_line(str(cause))} {where}")
 
 
-YAML_HINTS = (
-    ("that cannot start any token", "indent with spaces, not tabs"),
-    (
-        "mapping values are not allowed",
-        "a line indented deeper than the key above it, or a value holding ': ' unquoted",
-    ),
-    ("expected <block end>", "a line indented less or more than its neighbours"),
-)
-
-
 def _yaml_syntax(e: Any, overrides: list[str]) -> ConfigError | None:
     """A YAML file that does not parse (a tab, a bad indent, an open quote): the key on that line, file and line."""
     scanning = e.context_mark is not None and "while scanning a" in str(e.context or "")
@@ -417,7 +419,7 @@ def _yaml_syntax(e: Any, overrides: list[str]) -> ConfigError | None:
         return None
     text = path.read_text()
     line = mark.line + 1
-    rel, written = _line_key(text, line)
+    rel, written = line_key(text, line)
     package = package_header(text)
     if package is None:
         group = path.parent.name
@@ -432,7 +434,7 @@ def _yaml_syntax(e: Any, overrides: list[str]) -> ConfigError | None:
     key = ".".join(p for p in (package, rel) if p) or path.name
     problem = str(e.problem or e.context or "not valid")
     hint = next(
-        (h for k, h in YAML_HINTS if k in problem),
+        (h for k, h in YAML_HINTS if k in f"{problem} {e.context or ''}"),
         "check the indentation and quoting of this line and the one above",
     )
     return ConfigError(
@@ -442,30 +444,6 @@ def _yaml_syntax(e: Any, overrides: list[str]) -> ConfigError | None:
 
 def _choices(overrides: list[str]) -> list[tuple[str, str]]:
     return [(o.key_or_group, str(o.value())) for o in _parsed(overrides) if isinstance(o.value(), str)]
-
-
-_KEY_LINE = re.compile(r"^([ \t]*)(?:-[ \t]+)?([^\s:#'\"-][^:#]*?)[ \t]*:(?:[ \t]+(.*?))?[ \t]*(?:#.*)?$")
-
-
-def _line_key(text: str, lineno: int) -> tuple[str, str]:
-    """(dotted key, value) written on line ``lineno`` of a YAML text, its parents found by indentation."""
-    lines = text.splitlines()
-    if not 1 <= lineno <= len(lines):
-        return "", "?"
-    m = _KEY_LINE.match(lines[lineno - 1])
-    if m is None:
-        return "", lines[lineno - 1].strip() or "?"
-    indent, parts = len(m.group(1)), [m.group(2).strip()]
-    for prev in reversed(lines[: lineno - 1]):
-        pm = _KEY_LINE.match(prev)
-        if pm is None or pm.group(3):  # not a key, or a key with its value: not a parent
-            continue
-        if len(pm.group(1)) < indent:
-            parts.insert(0, pm.group(2).strip())
-            indent = len(pm.group(1))
-            if indent == 0:
-                break
-    return ".".join(parts), (m.group(3) or "").strip() or "?"
 
 
 def _unknown_key(full_key: str, overrides: list[str], value: str | None = None) -> ConfigError:

@@ -200,7 +200,8 @@ def in_file(e: BaseException, loader: Any, config_name: str, overrides: list[str
         files = _files(*_defaults(loader, config_name, overrides))
     except Exception:  # the defaults list itself fails: no file to name
         return None
-    found = [(o, pkg) for o, pkg, _ in files if o.where.endswith(f"{m.group(1)}.yaml")]
+    name = f"{m.group(1)}.yaml"
+    found = [(o, pkg) for o, pkg, _ in files if o.where == name or o.where.endswith("/" + name)]
     for origin, package in found:  # a file merged at several packages: the one holding the key
         if not package or full_key == package or full_key.startswith(package + "."):
             return InFile(origin, package, cause)

@@ -202,6 +202,42 @@ def _written(text: str, node: Any) -> str:
     return " ".join(text[node.start_mark.index : node.end_mark.index].split())
 
 
+YAML_HINTS: tuple[tuple[str, str], ...] = (
+    ("that cannot start any token", "indent with spaces, not tabs"),
+    (
+        "mapping values are not allowed",
+        "a line indented deeper than the key above it, or a value holding ': ' unquoted",
+    ),
+    ("expected <block end>", "a line indented less or more than its neighbours"),
+    ("quoted scalar", "a quote opened on this line is never closed"),
+)
+"""(words of a YAML parser error, what usually causes it) for the one-line error."""
+
+
+_KEY_LINE = re.compile(r"^([ \t]*)(?:-[ \t]+)?([^\s:#'\"-][^:#]*?)[ \t]*:(?:[ \t]+(.*?))?[ \t]*(?:#.*)?$")
+
+
+def line_key(text: str, lineno: int) -> tuple[str, str]:
+    """(dotted key, value) written on line ``lineno`` of a YAML text, its parents found by indentation."""
+    lines = text.splitlines()
+    if not 1 <= lineno <= len(lines):
+        return "", "?"
+    m = _KEY_LINE.match(lines[lineno - 1])
+    if m is None:
+        return "", lines[lineno - 1].strip() or "?"
+    indent, parts = len(m.group(1)), [m.group(2).strip()]
+    for prev in reversed(lines[: lineno - 1]):
+        pm = _KEY_LINE.match(prev)
+        if pm is None or pm.group(3):  # not a key, or a key with its value: not a parent
+            continue
+        if len(pm.group(1)) < indent:
+            parts.insert(0, pm.group(2).strip())
+            indent = len(pm.group(1))
+            if indent == 0:
+                break
+    return ".".join(parts), (m.group(3) or "").strip() or "?"
+
+
 def package_header(text: str) -> str | None:
     """The ``# @package <name>`` of a Hydra YAML file (``_global_`` -> ''), None without one."""
     m = re.search(r"^#\s*@package\s+(\S+)", text, re.MULTILINE)
