@@ -70,7 +70,7 @@ def apply(pc: PipelineConfig, origins: Origins) -> tuple[PipelineConfig, Origins
     for k, v in values.items():  # what the user set must agree; a shipped preset's sizes give way
         if origins.user_set(f"model.{k}") and getattr(pc.model, k) != v:
             raise ConfigError(
-                f"model.{k}={getattr(pc.model, k)!r} contradicts {config_json}'s {v!r} ({key}={value!r}; "
+                f"model.{k}={getattr(pc.model, k)!r}: contradicts {config_json}'s {v!r} ({key}={value!r}; "
                 f"drop model.{k} or use another model)"
             )
     extra: dict[str, Any] = {}
@@ -79,7 +79,8 @@ def apply(pc: PipelineConfig, origins: Origins) -> tuple[PipelineConfig, Origins
     if not origins.user_set("model.make_vocab_size_divisible_by"):
         extra["make_vocab_size_divisible_by"] = 1  # a published vocabulary is padded for TP only
     model = dataclasses.replace(pc.model, **values, **extra)
-    taken = {f"model.{k}": str(config_json) for k in values} | {f"model.{k}": str(hf_dir) for k in extra}
+    taken = {f"model.{k}": str(config_json) for k in values if not origins.user_set(f"model.{k}")}
+    taken |= {f"model.{k}": str(hf_dir) for k in extra}
     data = pc.data
     if data.tokenizer_path is None:
         data = dataclasses.replace(data, tokenizer_path=str(hf_dir))

@@ -80,9 +80,9 @@ PARALLEL_USED = {
 """The parallel keys of the stages that do not train (the rest of their ``parallel`` section is unread)."""
 
 
-def _rules() -> tuple[Rule, ...]:
+def _data_rules() -> list[Rule]:
     d = "data."
-    rules = [
+    return [
         Rule("corpus=sources keys", tuple(d + k for k in _SOURCES_KEYS), _corpus_not("sources")),
         Rule("corpus=files keys", (d + "text_paths", d + "jsonl_text_key"), _corpus_not("files")),
         Rule(
@@ -119,6 +119,11 @@ def _rules() -> tuple[Rule, ...]:
                 "data.pref_paths replaces the generated preference pairs" if pc.data.pref_paths else None
             ),
         ),
+    ]
+
+
+def _model_rules() -> list[Rule]:
+    return [
         Rule(
             "learned positions",
             tuple(f"model.{k}" for k in ("rotary_base", "rotary_scaling", *SCALING_KEYS)),
@@ -147,6 +152,11 @@ def _rules() -> tuple[Rule, ...]:
                 else None
             ),
         ),
+    ]
+
+
+def _cluster_rules() -> list[Rule]:
+    return [
         Rule(
             "SLURM keys",
             tuple(f"cluster.{k}" for k in SLURM_ONLY),
@@ -200,6 +210,10 @@ def _rules() -> tuple[Rule, ...]:
             _algorithm_unread,
         ),
     ]
+
+
+def _rules() -> tuple[Rule, ...]:
+    rules = [*_data_rules(), *_model_rules(), *_cluster_rules()]
     for name in TRAIN_STAGES:
         rules += _stage_rules(name)
     for name, used in PARALLEL_USED.items():
