@@ -76,7 +76,8 @@ HYDRA_FLAGS = {
     "--version",
     "--experimental-rerun",
 }
-"""Hydra's own flags: those command lines go to Hydra unchanged (tab completion, --cfg job, ...)."""
+"""Hydra's own flags: those command lines go to Hydra unchanged (tab completion, --info, ...); ``--cfg job`` and
+``--config-dir`` are handled by the front door (``pipeline.__main__``)."""
 
 
 def report(e: ConfigError) -> int:
@@ -523,7 +524,8 @@ def help_text() -> str:
     lines += [f"  {code}  {text}" for code, text in EXIT_CODES.items()]
     lines += [
         "",
-        "Hydra's own flags go to Hydra: --cfg job (print the composed config), --info, --shell-completion,",
-        "--hydra-help.",
+        "--cfg job prints the resolved config, each value with where it came from; --config-dir DIR adds your",
+        "own YAML files (DIR/experiment/mine.yaml: experiment=mine). Hydra's other flags go to Hydra: --info,",
+        "--shell-completion, --hydra-help.",
     ]
     return "\n".join(lines)
