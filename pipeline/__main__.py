@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.cli.compose import EXIT_FAILED, EXIT_SUBMIT, HYDRA_FLAGS, help_text, load_trials, report
+from pipeline.cli.compose import (
+    EXIT_FAILED,
+    EXIT_SUBMIT,
+    HYDRA_FLAGS,
+    config_dir_overrides,
+    config_yaml,
+    help_text,
+    load_traced,
+    load_trials,
+    report,
+)
 from pipeline.schema.errors import ConfigError
 
 
@@ -19,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(help_text())
         return 0
+    try:
+        args = config_dir_overrides(args)
+    except ConfigError as e:
+        return report(e)
+    shown = _cfg_job(args)
+    if shown is not None:
+        return _show_config(shown)
     if any(a.split("=", 1)[0] in HYDRA_FLAGS for a in args):
         return _hydra_main(args)
     multirun = any(a in ("-m", "--multirun") for a in args)
@@ -59,6 +76,36 @@ def _execute(cfg: object) -> int:
         return EXIT_FAILED
 
 
+def _cfg_job(args: list[str]) -> list[str] | None:
+    """The overrides of ``--cfg job`` / ``-c job`` (with or without ``--resolve``) and no other Hydra flag
+    (None: not that command line)."""
+    rest, seen, i = [], False, 0
+    while i < len(args):
+        a = args[i]
+        if a in ("--cfg", "-c") and i + 1 < len(args) and args[i + 1] == "job":
+            seen, i = True, i + 2
+            continue
+        if a in ("--cfg=job", "-c=job"):
+            seen = True
+        elif a != "--resolve":
+            rest.append(a)
+        i += 1
+    if not seen or any(a.split("=", 1)[0] in HYDRA_FLAGS for a in rest):
+        return None
+    return rest
+
+
+def _show_config(overrides: list[str]) -> int:
+    """``--cfg job``: the config as the run will use it (``hf:`` models resolved, every check passed, inputs not
+    read), each value not at its schema default followed by where it came from."""
+    try:
+        pc, origins = load_traced(overrides, inputs=False)
+    except ConfigError as e:
+        return report(e)
+    print(config_yaml(pc, origins), end="")
+    return 0
+
+
 def _configure_logging(overrides: list[str]) -> None:
     """Python logging as Hydra's job_logging config says (conf/config.yaml: stdout)."""
     from hydra.core.utils import configure_log
@@ -70,21 +117,26 @@ def _configure_logging(overrides: list[str]) -> None:
 
 
 def _hydra_main(args: list[str]) -> int:
-    """Hydra's own flags (--cfg job, --info, --shell-completion, ...): Hydra's entry point, unchanged."""
+    """Hydra's own flags (--info, --shell-completion, --config-name, ...): Hydra's entry point, unchanged."""
     import hydra
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
 
     from pipeline.schema import hf_model
-    from pipeline.schema.build import build_config
-    from pipeline.schema.compose import CONF_DIR, register_configs
+    from pipeline.schema.build import build_traced
+    from pipeline.schema.compose import CONF_DIR, register_configs, trace
     from pipeline.submit.preflight import preflight
 
     codes: list[int] = []
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def run(cfg: DictConfig) -> None:
+        hc = HydraConfig.get()
+        overrides = [*hc.overrides.hydra, *hc.overrides.task]
+        origins = trace(GlobalHydra.instance().config_loader(), str(hc.job.config_name), overrides)
         try:
-            pc = build_config(cfg, resolve=hf_model.apply)
+            pc, _ = build_traced(cfg, resolve=hf_model.apply, origins=origins)
             preflight(pc)
             codes.append(_execute(pc))
         except ConfigError as e:

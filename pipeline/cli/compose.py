@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.schema import hf_model
-from pipeline.schema.build import build_config
-from pipeline.schema.compose import CONF_DIR, compose
+from pipeline.schema.build import build_traced
+from pipeline.schema.compose import CONF_DIR, InFile, compose_traced
 from pipeline.schema.config import PipelineConfig
 from pipeline.schema.domains import domain_of
 from pipeline.schema.errors import ConfigError
+from pipeline.schema.origins import YAML_HINTS, Origins, key_lines, leaves, line_key, package_header, shown
 from pipeline.submit.preflight import preflight
 
 EXIT_OK = 0
@@ -75,7 +76,8 @@ HYDRA_FLAGS = {
     "--version",
     "--experimental-rerun",
 }
-"""Hydra's own flags: those command lines go to Hydra unchanged (tab completion, --cfg job, ...)."""
+"""Hydra's own flags: those command lines go to Hydra unchanged (tab completion, --info, ...); ``--cfg job`` and
+``--config-dir`` are handled by the front door (``pipeline.__main__``)."""
 
 
 def report(e: ConfigError) -> int:
@@ -98,13 +100,18 @@ def not_a_run_dir(path: Path) -> int:
 def load(overrides: list[str], *, inputs: bool = True) -> PipelineConfig:
     """Compose conf/ with ``overrides``, validate, and (``inputs``) pre-flight every input the stages read.
 
-    Every mistake raises ConfigError in the one shape, whatever caught it.
+    Every mistake raises ConfigError in the one shape, whatever caught it; a key the command line did not set
+    is followed by where its value came from (``pipeline.schema.origins``).
     """
+    return load_traced(overrides, inputs=inputs)[0]
+
+
+def load_traced(overrides: list[str], *, inputs: bool = True) -> tuple[PipelineConfig, Origins]:
+    """``load`` that also returns where each value came from."""
+    from omegaconf import OmegaConf
+
     try:
-        pc = build_config(compose(overrides), resolve=hf_model.apply)
-        if inputs:
-            preflight(pc)
-        return pc
+        cfg, origins = compose_traced(overrides)
     except ConfigError:
         raise
     except Exception as e:
@@ -112,6 +119,74 @@ def load(overrides: list[str], *, inputs: bool = True) -> PipelineConfig:
         if err is None:
             raise
         raise err from None
+    try:
+        pc, origins = build_traced(cfg, resolve=hf_model.apply, origins=origins)
+        if inputs:
+            try:
+                preflight(pc)
+            except ConfigError as e:
+                raise ConfigError(origins.annotate(str(e), dict(leaves(pc.to_dict())))) from None
+        return pc, origins
+    except ConfigError:
+        raise
+    except Exception as e:  # an interpolation or ??? found while resolving: say which file holds it
+        err = normalize(e, overrides)
+        if err is None:
+            raise
+        raw = OmegaConf.to_container(cfg, resolve=False)
+        raise ConfigError(
+            origins.annotate(str(err), dict(leaves(raw)) if isinstance(raw, dict) else {})
+        ) from None
+
+
+def config_yaml(pc: PipelineConfig, origins: Origins) -> str:
+    """The resolved config as YAML, each value that is not the schema default followed by where it came from."""
+    import yaml
+
+    lines: list[str] = []
+
+    def emit(d: dict[str, Any], prefix: str, pad: str) -> None:
+        for k, v in d.items():
+            key = f"{prefix}.{k}" if prefix else k
+            if isinstance(v, dict) and v:
+                lines.append(f"{pad}{k}:")
+                emit(v, key, pad + "  ")
+                continue
+            text = yaml.safe_dump(v, default_flow_style=True, width=1 << 30).removesuffix("...\n").strip()
+            o = origins.of(key)
+            lines.append(f"{pad}{k}: {text}" + (f"  # {o.describe()}" if o is not None else ""))
+
+    emit(pc.to_dict(), "", "")
+    return "\n".join(lines) + "\n"
+
+
+def config_dir_overrides(args: list[str]) -> list[str]:
+    """``--config-dir DIR`` / ``-cd DIR`` / ``--config-dir=DIR`` as the override ``hydra.searchpath=[file://DIR]``
+    (Hydra adds the directory to its search path either way, after conf/), so that commands with the user's own
+    config files go through the front door."""
+    out, dirs, i = [], [], 0
+    while i < len(args):
+        a = args[i]
+        flag, eq, val = a.partition("=")
+        if flag in ("--config-dir", "-cd"):
+            if not eq:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"{flag}=?: give the directory of your config files ({flag} DIR)")
+                i, val = i + 1, args[i + 1]
+            d = Path(val).expanduser().resolve()
+            if not d.is_dir():
+                raise ConfigError(f"{flag}={val}: no such directory")
+            dirs.append(f"'file://{d}'")
+        else:
+            out.append(a)
+        i += 1
+    if not dirs:
+        return out
+    if any(a.split("=", 1)[0] == "hydra.searchpath" for a in out):
+        raise ConfigError(
+            f"hydra.searchpath: give either it or --config-dir, not both (--config-dir={dirs[0][8:-1]})"
+        )
+    return [*out, f"hydra.searchpath=[{','.join(dirs)}]"]
 
 
 def trials(overrides: list[str], multirun: bool) -> list[list[str]]:
@@ -161,10 +236,23 @@ def normalize(e: BaseException, overrides: list[str]) -> ConfigError | None:
         OmegaConfBaseException,
         ValidationError,
     )
+    from yaml import MarkedYAMLError
 
+    if isinstance(e, InFile):
+        return _in_file(e)
+    if isinstance(e, MarkedYAMLError):
+        return _yaml_syntax(e, overrides)
     if not isinstance(e, HydraException | OmegaConfBaseException):
         return None
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
+    if isinstance(cause, ConfigKeyError | ConfigAttributeError | ValidationError) and "." not in str(
+        getattr(cause, "full_key", "") or "."
+    ):
+        item = _item_key(str(cause.full_key), overrides)  # a key of a list item: OmegaConf names only the key
+        if item is not None:
+            if isinstance(cause, ValidationError):
+                return ConfigError(f"{item[0]}={item[1]}: must be {_kind(item[0])}")
+            return _unknown_key(item[0], overrides, value=item[1])
     first = _first_line(str(cause))
     if isinstance(e, OverrideParseException):
         bad = _bad_override(overrides)
@@ -268,20 +356,102 @@ def _hint(word: str, choices: list[str]) -> str:
 
 
 def _schema_at(path: list[str]) -> type | None:
-    """The dataclass at dotted ``path`` in PipelineConfig (None if the path leaves the schema)."""
+    """The dataclass at dotted ``path`` in PipelineConfig (None if the path leaves the schema); ``name[i]`` is an
+    item of a list of dataclasses (``data.sources[0]``)."""
     cls: Any = PipelineConfig
     for part in path:
+        name, _, index = part.partition("[")
         hints = typing.get_type_hints(cls)
-        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+        hint = hints.get(name)
+        if index and typing.get_origin(hint) is list:
+            hint = typing.get_args(hint)[0]
+        if hint is None or not dataclasses.is_dataclass(hint):
             return None
-        cls = hints[part]
+        cls = hint
     return typing.cast(type, cls)
 
 
-def _unknown_key(full_key: str, overrides: list[str]) -> ConfigError:
-    okey, value = _find_override(full_key, overrides)
-    if okey.startswith(full_key + "."):
-        full_key = okey
+def _item_key(name: str, overrides: list[str]) -> tuple[str, str] | None:
+    """(full key, value) of ``name`` inside a list item of an override's value (``data.sources=[{...}]``)."""
+    for o in _parsed(overrides):
+        try:
+            value = o.value()
+        except Exception:
+            continue
+        for k, v in leaves({o.get_key_element().lstrip("+~"): value}):
+            if k.endswith("]." + name):
+                return k, str(v)
+    return None
+
+
+# ---------------------------------------------------------------------------- mistakes inside YAML files
+
+
+def _in_file(e: InFile) -> ConfigError:
+    """A type error, unknown key or bad value inside a YAML file: the key, the value as written, file and line."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    cause, origin, package = e.cause, e.origin, e.package
+    path = Path(origin.where) if Path(origin.where).is_absolute() else CONF_DIR.parent / origin.where
+    lines = key_lines(path.read_text()) if path.is_file() else {}
+    rel = str(getattr(cause, "full_key", "") or "")
+    if package and rel.startswith(package + "."):
+        rel = rel[len(package) + 1 :]
+    if rel not in lines:  # a list item's key: OmegaConf names the key only
+        rel = next((k for k in lines if k.endswith(("." + rel, "]." + rel))), rel)
+    line, written = lines.get(rel, (None, "?"))
+    key = f"{package}.{rel}" if package and rel else (rel or package or "<file>")
+    where = f"[{key} set at {origin.where}{f':{line}' if line else ''}" + (
+        f" ({origin.choice})]" if origin.choice else "]"
+    )
+    if isinstance(cause, ConfigKeyError | ConfigAttributeError):
+        return ConfigError(f"{_unknown_key(key, [], value=written)} {where}")
+    if isinstance(cause, ValidationError):
+        return ConfigError(f"{key}={written}: must be {_kind(key)} {where}")
+    return ConfigError(f"{key}={written}: {_first_line(str(cause))} {where}")
+
+
+def _yaml_syntax(e: Any, overrides: list[str]) -> ConfigError | None:
+    """A YAML file that does not parse (a tab, a bad indent, an open quote): the key on that line, file and line."""
+    scanning = e.context_mark is not None and "while scanning a" in str(e.context or "")
+    mark = e.context_mark if scanning else (e.problem_mark or e.context_mark)
+    path = Path(str(getattr(mark, "name", "")))
+    if mark is None or not path.is_file():
+        return None
+    text = path.read_text()
+    line = mark.line + 1
+    rel, written = line_key(text, line)
+    package = package_header(text)
+    if package is None:
+        group = path.parent.name
+        package = next(
+            (
+                k.split("@", 1)[1]
+                for k, v in _choices(overrides)
+                if k.startswith(group + "@") and v == path.stem
+            ),
+            group,
+        )
+    key = ".".join(p for p in (package, rel) if p) or path.name
+    problem = str(e.problem or e.context or "not valid")
+    hint = next(
+        (h for k, h in YAML_HINTS if k in f"{problem} {e.context or ''}"),
+        "check the indentation and quoting of this line and the one above",
+    )
+    return ConfigError(
+        f"{key}={written}: not valid YAML ({problem}): {hint} [at {shown(path, CONF_DIR)}:{line}:{mark.column + 1}]"
+    )
+
+
+def _choices(overrides: list[str]) -> list[tuple[str, str]]:
+    return [(o.key_or_group, str(o.value())) for o in _parsed(overrides) if isinstance(o.value(), str)]
+
+
+def _unknown_key(full_key: str, overrides: list[str], value: str | None = None) -> ConfigError:
+    if value is None:
+        okey, value = _find_override(full_key, overrides)
+        if okey.startswith(full_key + "."):
+            full_key = okey
     parts = full_key.split(".")
     i = 0
     while i < len(parts) - 1 and _schema_at(parts[: i + 1]) is not None:
@@ -354,7 +524,8 @@ def help_text() -> str:
     lines += [f"  {code}  {text}" for code, text in EXIT_CODES.items()]
     lines += [
         "",
-        "Hydra's own flags go to Hydra: --cfg job (print the composed config), --info, --shell-completion,",
-        "--hydra-help.",
+        "--cfg job prints the resolved config, each value with where it came from; --config-dir DIR adds your",
+        "own YAML files (DIR/experiment/mine.yaml: experiment=mine). Hydra's other flags go to Hydra: --info,",
+        "--shell-completion, --hydra-help.",
     ]
     return "\n".join(lines)

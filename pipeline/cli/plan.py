@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.cli.compose import load, report
+from pipeline.cli.compose import config_dir_overrides, load, report
 from pipeline.schema.compose import CONF_DIR as CONF_DIR  # re-exported (tests, the docs)
 from pipeline.schema.config import PipelineConfig
 from pipeline.schema.errors import ConfigError
@@ -39,7 +39,7 @@ _COLUMN = 16
 def compose_config(overrides: list[str]) -> PipelineConfig:
     """Compose and validate as ``python -m pipeline`` does (pipeline.cli.compose.load), without the input pre-flight:
     planning needs no data or checkpoints."""
-    return load(list(overrides), inputs=False)
+    return load(config_dir_overrides(list(overrides)), inputs=False)
 
 
 def main(argv: list[str] | None = None) -> int:

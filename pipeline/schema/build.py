@@ -2,7 +2,7 @@
 
 Each section validates itself (domains, choices, relations inside it); here come the dotted key paths of
 errors, unknown keys, and the relations between sections: layouts against the model and cluster, time limits,
-keys a stage would silently ignore.
+keys nothing reads in the chosen mode (pipeline.schema.ignored).
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import difflib
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.schema import ignored
 from pipeline.schema.config import PipelineConfig
 from pipeline.schema.domains import fail
 from pipeline.schema.errors import ConfigError
-from pipeline.schema.graph import TRAIN_STAGES
 from pipeline.schema.layout import check_layout
+from pipeline.schema.origins import GIVEN, Origin, Origins, leaves
 from pipeline.schema.sections import (
     ClusterConfig,
     DataConfig,
@@ -93,17 +94,30 @@ _DATACLASSES: dict[str, type] = {
 }
 
 
+Resolve = Callable[[PipelineConfig, Origins], tuple[PipelineConfig, Origins]]
+"""Fills values from referenced files before the cross-field checks, with their origins."""
+
+
 def build_config(
-    cfg: Any, *, resolve: Callable[[PipelineConfig], PipelineConfig] | None = None
+    cfg: Any, *, resolve: Resolve | None = None, origins: Origins | None = None
 ) -> PipelineConfig:
     """Validate a composed Hydra config (DictConfig or dict) into a PipelineConfig, fully resolved.
 
-    Raises ConfigError naming the key. ``resolve`` fills values from referenced files before the
-    cross-field checks (the commands pass ``pipeline.schema.hf_model.apply``: ``hf:<dir>`` model references).
-    Cross-field checks (layouts against the model and cluster) run here too; the commands add the
-    pre-flight of inputs (``pipeline.cli.compose.load``), so nothing is submitted or written before the whole
-    config is known good.
+    Raises ConfigError naming the key; a key the command line did not set is followed by where its value came
+    from (``origins``, recorded at composition: pipeline.schema.compose.compose_traced; without them every value
+    that differs from the schema default counts as set by the user). ``resolve`` fills values from referenced
+    files before the cross-field checks (the commands pass ``pipeline.schema.hf_model.apply``: ``hf:<dir>``
+    model references). Cross-field checks (layouts against the model and cluster, keys nothing reads in the
+    chosen mode) run here too; the commands add the pre-flight of inputs (``pipeline.cli.compose.load``), so
+    nothing is submitted or written before the whole config is known good.
     """
+    return build_traced(cfg, resolve=resolve, origins=origins)[0]
+
+
+def build_traced(
+    cfg: Any, *, resolve: Resolve | None = None, origins: Origins | None = None
+) -> tuple[PipelineConfig, Origins]:
+    """``build_config`` that also returns the origins after ``resolve`` (values it filled in are its)."""
     from omegaconf import DictConfig, OmegaConf
 
     raw = (
@@ -113,19 +127,40 @@ def build_config(
     )
     if not isinstance(raw, dict):
         raise ConfigError(f"<root>={raw!r}: expected a mapping")
-    data = {k: v for k, v in raw.items() if k != "hydra"}
-    pc: PipelineConfig = _build(PipelineConfig, data, "")
-    if resolve is not None:
-        pc = resolve(pc)
-    _check_cross(pc)
-    return pc
+    data = {str(k): v for k, v in raw.items() if k != "hydra"}
+    if origins is None:
+        origins = untraced(data)
+    values = dict(leaves(data))
+    try:
+        pc: PipelineConfig = _build(PipelineConfig, data, "")
+        if resolve is not None:
+            pc, origins = resolve(pc, origins)
+            values = dict(leaves(pc.to_dict()))
+        _check_cross(pc, origins)
+    except ConfigError as e:
+        raise ConfigError(origins.annotate(str(e), values)) from None
+    return pc, origins
 
 
-def _check_cross(pc: PipelineConfig) -> None:
-    """Relations between keys of different sections, and keys a stage would silently ignore."""
+def untraced(data: dict[str, Any]) -> Origins:
+    """Origins of a config given as a plain mapping: each value that differs from the schema default."""
+    defaults = dict(leaves(PipelineConfig().to_dict()))
+    missing = object()
+    return Origins(
+        {
+            k: Origin(GIVEN, "the given config", user=True)
+            for k, v in leaves(data)
+            if defaults.get(k, missing) != v
+        }
+    )
+
+
+def _check_cross(pc: PipelineConfig, origins: Origins) -> None:
+    """Relations between keys of different sections, and keys the user set that nothing reads."""
     for name in pc.run.stages:
         check_layout(pc, name)
-    _check_ignored(pc)
+    _check_modes(pc)
+    ignored.check(pc, origins)
     c = pc.cluster
     if c.executor == "slurm":
         for name in pc.run.stages:
@@ -152,35 +187,8 @@ def _check_cross(pc: PipelineConfig) -> None:
             )
 
 
-# Keys of a shared stage schema that only some stages read: set elsewhere they would be silently ignored.
-_RLHF_ONLY = ("beta", "algorithm")
-_SLURM_ONLY = (
-    "partition",
-    "account",
-    "qos",
-    "constraint",
-    "exclusive",
-    "setup",
-    "container_image",
-    "env",
-    "signal_delay_s",
-    "mpi",
-)
-_PARALLEL_USED = {
-    "data_prep": ("tp", "pp", "dp", "nodes"),
-    "eval": ("tp", "pp", "dp", "nodes", "precision"),
-    "export": (),
-}
-
-
-def _check_ignored(pc: PipelineConfig) -> None:
-    """A per-stage value either applies or is rejected: non-default values of keys a stage does not read."""
-    train_default = TrainStage()
-    for name in (s for s in TRAIN_STAGES if s != "rlhf"):
-        for k in _RLHF_ONLY:
-            value = getattr(getattr(pc, name), k)
-            if value != getattr(train_default, k):
-                fail(f"{name}.{k}", value, f"only rlhf reads it (set rlhf.{k}); leave it at its default")
+def _check_modes(pc: PipelineConfig) -> None:
+    """Values that cannot work together (whoever set them)."""
     if pc.pretrain.peft.method != "none":
         fail(
             "pretrain.peft.method",
@@ -195,33 +203,6 @@ def _check_ignored(pc: PipelineConfig) -> None:
                 st.peft.method,
                 f"LoRA adapts a base model: {name}.init_from must name one (auto, a checkpoint or hf:<dir>), not null",
             )
-    cluster_default, c = ClusterConfig(), pc.cluster
-    if c.executor != "slurm":
-        for k in _SLURM_ONLY:
-            if getattr(c, k) != getattr(cluster_default, k):
-                fail(
-                    f"cluster.{k}",
-                    getattr(c, k),
-                    f"only cluster.executor=slurm reads it (executor is {c.executor}); use a SLURM profile "
-                    "(cluster=slurm) or leave it at its default",
-                )
-    if c.gpus_per_node > 0 and c.ranks_per_node != cluster_default.ranks_per_node:
-        fail(
-            "cluster.ranks_per_node",
-            c.ranks_per_node,
-            f"with GPUs a node runs one rank per GPU (cluster.gpus_per_node={c.gpus_per_node}); leave it at its default",
-        )
-    par_default = ParallelConfig()
-    for name, used in _PARALLEL_USED.items():
-        par = pc.stage(name).parallel
-        for f in dataclasses.fields(ParallelConfig):
-            value = getattr(par, f.name)
-            if f.name not in used and value != getattr(par_default, f.name):
-                fail(
-                    f"{name}.parallel.{f.name}",
-                    value,
-                    f"{name} does not read it (it reads {', '.join(used) or 'none of them'}); leave it at its default",
-                )
 
 
 def from_dict(data: dict[str, Any]) -> PipelineConfig:

@@ -160,17 +160,6 @@ def model_config(hf_dir: Path, **overrides: Any) -> ModelConfig:
     return ModelConfig(**{**base, **overrides, **values})
 
 
-def contradictions(model: ModelConfig, baseline: ModelConfig, hf_values: dict[str, Any]) -> list[str]:
-    """``key: given X, checkpoint Y`` for each architecture key the user set (differs from ``baseline``)
-    to a value other than the checkpoint's."""
-    out = []
-    for key, want in hf_values.items():
-        got = getattr(model, key)
-        if got != getattr(baseline, key) and got != want:
-            out.append(f"model.{key}={got!r} contradicts the checkpoint's {want!r}")
-    return out
-
-
 def to_hf_config(model: ModelConfig, vocab_size: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """A config.json for ``model``, written as the family that exports it (Llama, or Qwen2 when it has
     query/key/value biases and no other bias)."""

@@ -1,13 +1,14 @@
 """``hf:<dir>`` model references in the config: architecture and tokenizer from a Hugging Face directory.
 
-``apply(pc)`` runs inside ``build_config`` (no torch; reads config.json and tokenizer.json only), so
+``apply(pc, origins)`` runs inside ``build_config`` (no torch; reads config.json and tokenizer.json only), so
 ``python -m pipeline``, ``pipeline.schema.layout`` and every companion command see the same resolved model:
 
 - every ``<stage>.init_from=hf:<dir>`` and ``eval.models`` entry ``hf:<dir>`` of the run must name the same
   directory; its config.json must describe a supported model (pipeline.schema.hf_arch), else a
   config error naming the field;
-- the architecture keys of ``model`` are taken from config.json; a key the user set (different from the
-  default model group's value) to something else is a config error naming both values;
+- the architecture keys of ``model`` are taken from config.json; a key the user set (on the command line or in
+  a file of their own, whatever its value: ``origins``) to something else is a config error naming both
+  values; a shipped preset's keys (``experiment=tiny``, the model group) give way;
 - the run's tokenizer is the directory's (``data.tokenizer_path``), used as it is (no token appended): its
   tokenizer_config.json names the eos token (else it must hold the pipeline's role tokens), it fits the
   model's vocabulary, and the run's data is rendered with the directory's own chat template
@@ -21,10 +22,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.schema.compose import CONF_DIR
 from pipeline.schema.config import ModelConfig, PipelineConfig
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.graph import TRAIN_STAGES
+from pipeline.schema.origins import HF, Origin, Origins
 
 ROLE_TOKENS = ("<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>")
 """The special tokens data_prep and the engine use (engine.data.datasets.SPECIAL_TOKENS)."""
@@ -44,27 +45,14 @@ def refs(pc: PipelineConfig) -> dict[str, str]:
     return out
 
 
-def _default_model() -> ModelConfig:
-    """The model the config would have without user overrides: the schema + conf/config.yaml's model group."""
-    import yaml
-
-    name = None
-    for entry in yaml.safe_load((CONF_DIR / "config.yaml").read_text()).get("defaults", []):
-        if isinstance(entry, dict) and "model" in entry:
-            name = entry["model"]
-    values: dict[str, Any] = {}
-    if name:
-        values = yaml.safe_load((CONF_DIR / "model" / f"{name}.yaml").read_text()) or {}
-    return ModelConfig(**values)
-
-
-def apply(pc: PipelineConfig) -> PipelineConfig:
-    """``pc`` with model and tokenizer taken from its ``hf:`` reference (unchanged without one)."""
+def apply(pc: PipelineConfig, origins: Origins) -> tuple[PipelineConfig, Origins]:
+    """``pc`` with model and tokenizer taken from its ``hf:`` reference (unchanged without one), and the origins
+    of the values taken from the directory."""
     from pipeline.schema.hf_arch import HFConfigError, arch_values, read_config
 
     found = refs(pc)
     if not found:
-        return pc
+        return pc, origins
     dirs = {Path(v[3:]).expanduser().resolve() for v in found.values()}
     key, value = next(iter(found.items()))
     if len(dirs) > 1:
@@ -74,36 +62,44 @@ def apply(pc: PipelineConfig) -> PipelineConfig:
     hf_dir = dirs.pop()
     if not hf_dir.is_dir():
         raise ConfigError(f"{key}={value!r}: no such directory")
+    config_json = hf_dir / "config.json"
     try:
-        values = arch_values(read_config(hf_dir), str(hf_dir / "config.json"))
+        values = arch_values(read_config(hf_dir), str(config_json))
     except HFConfigError as e:
         raise ConfigError(f"{key}={value!r}: {e}") from None
-    base = _default_model()
-    wrong = [
-        f"model.{k}={getattr(pc.model, k)!r} contradicts {hf_dir / 'config.json'}'s {v!r}"
-        for k, v in values.items()
-        if getattr(pc.model, k) != getattr(base, k) and getattr(pc.model, k) != v
-    ]
-    if wrong:
-        raise ConfigError(f"{wrong[0]} ({key}={value!r}; drop the override or use another model)")
+    for k, v in values.items():  # what the user set must agree; a shipped preset's sizes give way
+        if origins.user_set(f"model.{k}") and getattr(pc.model, k) != v:
+            raise ConfigError(
+                f"model.{k}={getattr(pc.model, k)!r}: contradicts {config_json}'s {v!r} ({key}={value!r}; "
+                f"drop model.{k} or use another model)"
+            )
     extra: dict[str, Any] = {}
-    if pc.model.name == base.name:
+    if not origins.user_set("model.name"):
         extra["name"] = hf_dir.name
-    if pc.model.make_vocab_size_divisible_by == base.make_vocab_size_divisible_by:
+    if not origins.user_set("model.make_vocab_size_divisible_by"):
         extra["make_vocab_size_divisible_by"] = 1  # a published vocabulary is padded for TP only
     model = dataclasses.replace(pc.model, **values, **extra)
+    taken = {f"model.{k}": str(config_json) for k in values if not origins.user_set(f"model.{k}")}
+    taken |= {f"model.{k}": str(hf_dir) for k in extra}
     data = pc.data
     if data.tokenizer_path is None:
         data = dataclasses.replace(data, tokenizer_path=str(hf_dir))
+        taken["data.tokenizer_path"] = str(hf_dir)
     elif Path(data.tokenizer_path).expanduser().resolve() not in (hf_dir, hf_dir / "tokenizer.json"):
         raise ConfigError(
             f"data.tokenizer_path={data.tokenizer_path!r}: a run starting from {value} uses that model's "
             "tokenizer; drop data.tokenizer_path"
         )
-    if data.chat_template == "project" and _has_chat_template(hf_dir):
+    if (
+        data.chat_template == "project"
+        and not origins.user_set("data.chat_template")
+        and _has_chat_template(hf_dir)
+    ):
         data = dataclasses.replace(data, chat_template="tokenizer")
+        taken["data.chat_template"] = str(hf_dir)
     check_tokenizer(hf_dir, model, key, value, needs_roles=data.chat_template == "project")
-    return dataclasses.replace(pc, model=model, data=data)
+    new = {k: Origin(HF, where, choice=f"{key}={value}") for k, where in taken.items()}
+    return dataclasses.replace(pc, model=model, data=data), origins.updated(new)
 
 
 def _has_chat_template(hf_dir: Path) -> bool:

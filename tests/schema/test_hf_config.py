@@ -56,7 +56,7 @@ def test_every_stage_accepts_hf(llama: Path) -> None:
 
 
 def test_contradicting_override_names_both_values(llama: Path) -> None:
-    with pytest.raises(ConfigError, match=r"model.hidden_size=96 contradicts .*config.json's 64"):
+    with pytest.raises(ConfigError, match=r"model.hidden_size=96: contradicts .*config.json's 64"):
         load_config([f"sft.init_from=hf:{llama}", "run.stages=[sft]", "model.hidden_size=96"])
 
 
@@ -94,4 +94,4 @@ def test_planner_plans_from_config_json(llama: Path) -> None:
         text=True,
         timeout=120,
     )
-    assert bad.returncode == 2 and "model.num_layers=3 contradicts" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "model.num_layers=3: contradicts" in bad.stderr, bad.stderr

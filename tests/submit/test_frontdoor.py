@@ -80,6 +80,22 @@ CASES = {
     "zero time limit": (["sft.time_min=0"], ["sft.time_min=0", ">= 1"]),
     "ignored per-stage key": (["pretrain.beta=0.5"], ["pretrain.beta=0.5", "only rlhf"]),
     "sweep syntax without -m": (["pretrain.lr=1e-3,2e-3"], ["add -m"]),
+    "unknown key in a list item": (
+        ["data.corpus=sources", "data.sources=[{path: a.txt}, {path: b.txt, txt_field: body}]"],
+        [
+            "data.sources[1].txt_field=body",
+            "did you mean 'data.sources[1].text_field'",
+            "keys of data.sources[1]",
+        ],
+    ),
+    "wrong type in a list item": (
+        ["data.corpus=sources", "data.sources=[{path: a.txt, weight: heavy}]"],
+        ["data.sources[0].weight=heavy", "a finite number > 0"],
+    ),
+    "unknown key in a list item, appended": (
+        ["data.corpus=sources", "+data.sources=[{path: a.txt, formt: text}]"],
+        ["data.sources[0].formt=text", "did you mean 'data.sources[0].format'"],
+    ),
     "missing file": (
         ["data.corpus=files", "data.text_paths=[/no/such/file.txt]"],
         ["data.text_paths", "does not exist"],
