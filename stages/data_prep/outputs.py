@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from engine.data.datasets import MANIFEST, Tokenizer, sha256_file
+from engine.data.pieces import bounded_batches
 from pipeline.records.files import atomic_write_text as _atomic_write
 from pipeline.schema.config import DataConfig
 from stages import tasks
@@ -17,21 +19,17 @@ from stages.data_prep.chat_files import CHAT_FILES
 from stages.data_prep.corpus import EVAL_PREF, PREF, RL, SFT, SFT_NOISE, rng
 from stages.data_prep.tokenizer import HF_TOKENIZER_FILES, stop_token_ids
 
-ENCODE_BATCH = 512
-"""Documents per tokenizer call."""
-
-
-def write_shard(tokenizer: Tokenizer, docs: list[str], prefix: Path, dtype: type[np.number]) -> int:
-    """Tokenize ``docs`` into indexed dataset ``prefix``.bin/.idx (one entry per document, eod appended)."""
+def write_shard(tokenizer: Tokenizer, docs: Iterable[str], prefix: Path, dtype: type[np.number]) -> int:
+    """Tokenize ``docs`` into indexed dataset ``prefix``.bin/.idx (one entry per document, eod appended),
+    a bounded batch at a time (engine.data.pieces)."""
     from engine.data.indexed import IndexedWriter  # megatron's format without importing megatron.core
 
     builder = IndexedWriter(f"{prefix}.bin", dtype=dtype)
     total = 0
-    for i in range(0, len(docs), ENCODE_BATCH):
-        for ids in tokenizer.encode_batch(docs[i : i + ENCODE_BATCH]):
-            ids.append(tokenizer.eod)
-            builder.add_document(ids)
-            total += len(ids)
+    for batch in bounded_batches(docs, len):
+        for ids in tokenizer.encode_arrays(batch):
+            builder.add_document(np.append(ids, tokenizer.eod))
+            total += len(ids) + 1
     builder.finalize(f"{prefix}.idx")
     return total
 

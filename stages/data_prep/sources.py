@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +47,17 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: World) -> dict[str, A
     units, fmts = world.on_root(lambda: ds.plan_units(d.sources, max(1, int(d.shard_mb * 1e6))))
     held = tasks.make_split(d.num_eval_examples, d.max_operand, rng(d.seed, HELD_OUT), d.task)
 
+    def training_text() -> Iterator[str]:  # streamed to the trainer, never held
+        n = 0
+        for doc in ds.sample_documents(units, d.sources, d, int(d.tokenizer_sample_mb * 1e6)):
+            n += 1
+            yield doc
+        yield from task_documents(held, n, d.task_mix_fraction, rng(d.seed, MIX))
+
     def tokenizer_json() -> str:
         if d.tokenizer_path is not None:
             return tokenizer_text(d, [])
-        sample = list(ds.sample_documents(units, d.sources, d, int(d.tokenizer_sample_mb * 1e6)))
-        sample += task_documents(held, len(sample), d.task_mix_fraction, rng(d.seed, MIX))
-        return str(build_tokenizer(d, sample).to_str())
+        return str(build_tokenizer(d, training_text()).to_str())
 
     tok_json = world.on_root(tokenizer_json)
     tokenizer = tokenizer_from_str(tok_json, d)
@@ -114,7 +120,7 @@ def _merge_sources(
     d = cfg.data
     names = [ds.source_name(s, i) for i, s in enumerate(d.sources)]
     per = _source_counts(scratch, units, names)
-    seen: set[bytes] | None = set() if d.dedup else None
+    seen = ds.SeenHashes() if d.dedup else None
     blend: list[dict[str, Any]] = []
     text_files: list[str] = []
     tokens: dict[str, int] = {}
