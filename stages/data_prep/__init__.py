@@ -50,18 +50,22 @@ from engine.context import StageContext
 from engine.data.datasets import MANIFEST
 from pipeline.records.files import atomic_write_text as _atomic_write
 from pipeline.schema.config import PipelineConfig
-from stages import tasks
 from stages.data_prep.chat_files import write_chat_files
 from stages.data_prep.corpus import (
     DOC_CHARS,
-    HELD_OUT,
-    MIX,
+    CorpusPlan,
+    plan_corpus,
     read_corpus,
-    rng,
     split_documents,
     task_documents,
 )
-from stages.data_prep.outputs import merge_shards, write_manifest, write_shard, write_task_files
+from stages.data_prep.outputs import (
+    merge_shards,
+    write_manifest,
+    write_shard,
+    write_shards,
+    write_task_files,
+)
 from stages.data_prep.sources import prepare_sources
 from stages.data_prep.tokenizer import (
     build_tokenizer,
@@ -116,39 +120,33 @@ def prepare_corpus(cfg: PipelineConfig, out: Path, world: World) -> dict[str, An
         for stale in out.glob(".shards-*"):  # left by a crashed attempt
             shutil.rmtree(stale, ignore_errors=True)
 
-    text_docs, sources = read_corpus(d)
-    train_docs, valid_docs = split_documents(text_docs, d.valid_fraction, d.seed)
-    held = tasks.make_split(d.num_eval_examples, d.max_operand, rng(d.seed, HELD_OUT), d.task)
-    task_docs = task_documents(held, len(train_docs), d.task_mix_fraction, rng(d.seed, MIX))
-    train_docs = train_docs + task_docs
+    plan = plan_corpus(d, world.on_root)  # one pass on rank 0: counts and the split, nothing held
     timings["read_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    tok_json = world.on_root(lambda: tokenizer_text(d, train_docs))
+    tok_json = world.on_root(lambda: tokenizer_text(d, plan.train_documents()))
     tokenizer = tokenizer_from_str(tok_json, d)
     timings["tokenizer_s"] = time.perf_counter() - t
 
     dtype = token_dtype(tokenizer.vocab_size)
-    tokens = _tokenize_splits(
-        world, out, tokenizer, dtype, {"train": train_docs, "valid": valid_docs}, timings
-    )
+    tokens = _tokenize_splits(world, out, tokenizer, dtype, plan, timings)
     if world.rank != 0:
         return {"rank": world.rank}
 
-    counts = write_task_files(out, d, held)
+    counts = write_task_files(out, d, plan.held)
     _atomic_write(out / "tokenizer.json", tok_json)
     copy_hf_tokenizer_files(d, out)
     counts.update(write_chat_files(out, d, tokenizer))
     counts.update(
-        documents_text=len(text_docs),
-        documents_task=len(task_docs),
-        documents_train=len(train_docs),
-        documents_valid=len(valid_docs),
+        documents_text=plan.n_text,
+        documents_task=plan.n_task,
+        documents_train=plan.n_train,
+        documents_valid=plan.n_valid,
         tokens_train=tokens["train"],
         tokens_valid=tokens["valid"],
-        corpus_bytes=sum(len(x.encode()) for x in text_docs),
+        corpus_bytes=plan.corpus_bytes,
     )
-    manifest = write_manifest(out, d, tokenizer, dtype, counts, sources)
+    manifest = write_manifest(out, d, tokenizer, dtype, counts, plan.sources)
     timings["total_s"] = sum(timings.values())
     tok_s = (tokens["train"] + tokens["valid"]) / max(timings["tokenize_s"], 1e-9)
     return {
@@ -166,30 +164,32 @@ def _tokenize_splits(
     out: Path,
     tokenizer: Any,
     dtype: Any,
-    splits: dict[str, list[str]],
+    plan: CorpusPlan,
     timings: dict[str, float],
 ) -> dict[str, int]:
-    """Every rank tokenizes its contiguous shard of each split; rank 0 merges the shards into ``text_<split>``
-    in rank order. Returns the tokens per split (summed over ranks); adds ``tokenize_s`` to ``timings``."""
+    """Every rank tokenizes its contiguous shard of each split in one streamed pass; rank 0 merges the shards
+    into ``text_<split>`` in rank order. Returns the tokens per split (summed over ranks); adds ``tokenize_s``
+    (and ``merge_s`` on rank 0) to ``timings``."""
     t = time.perf_counter()
     scratch = out / f".shards-{world.on_root(lambda: uuid.uuid4().hex[:8])}"
     scratch.mkdir(exist_ok=True)
-    tokens = {}
-    for split, docs in splits.items():
-        lo, hi = world.shard(len(docs))
-        tokens[split] = write_shard(tokenizer, docs[lo:hi], scratch / f"{split}-{world.rank:05d}", dtype)
+    ranges = {"train": world.shard(plan.n_train), "valid": world.shard(plan.n_valid)}
+    prefixes = {split: scratch / f"{split}-{world.rank:05d}" for split in ranges}
+    tokens = write_shards(tokenizer, plan.documents_in(ranges), prefixes, dtype)
     tokens = {k: world.sum(v) for k, v in tokens.items()}
     timings["tokenize_s"] = time.perf_counter() - t
     world.barrier()
     if world.rank != 0:
         world.barrier()
         return tokens
+    t = time.perf_counter()
     try:
-        for split in splits:
+        for split in ranges:
             merge_shards(
                 [scratch / f"{split}-{r:05d}" for r in range(world.size)], out / f"text_{split}", dtype
             )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         world.barrier()
+    timings["merge_s"] = time.perf_counter() - t
     return tokens

@@ -19,23 +19,33 @@ from stages.data_prep.chat_files import CHAT_FILES
 from stages.data_prep.corpus import EVAL_PREF, PREF, RL, SFT, SFT_NOISE, rng
 from stages.data_prep.tokenizer import HF_TOKENIZER_FILES, stop_token_ids
 
-def write_shard(tokenizer: Tokenizer, docs: Iterable[str], prefix: Path, dtype: type[np.number]) -> int:
-    """Tokenize ``docs`` into indexed dataset ``prefix``.bin/.idx (one entry per document, eod appended),
-    a bounded batch at a time (engine.data.pieces)."""
+
+def write_shards(
+    tokenizer: Tokenizer, items: Iterable[tuple[str, str]], prefixes: dict[str, Path], dtype: type[np.number]
+) -> dict[str, int]:
+    """Tokenize (split, document) items into one indexed dataset per split, ``prefixes[split]``.bin/.idx (one
+    entry per document, eod appended), a bounded batch at a time (engine.data.pieces); tokens per split."""
     from engine.data.indexed import IndexedWriter  # megatron's format without importing megatron.core
 
-    builder = IndexedWriter(f"{prefix}.bin", dtype=dtype)
-    total = 0
-    for batch in bounded_batches(docs, len):
-        for ids in tokenizer.encode_arrays(batch):
-            builder.add_document(np.append(ids, tokenizer.eod))
-            total += len(ids) + 1
-    builder.finalize(f"{prefix}.idx")
+    builders = {s: IndexedWriter(f"{p}.bin", dtype=dtype) for s, p in prefixes.items()}
+    total = dict.fromkeys(prefixes, 0)
+    for batch in bounded_batches(items, lambda item: len(item[1])):
+        for (split, _), ids in zip(batch, tokenizer.encode_arrays([doc for _, doc in batch])):
+            builders[split].add_document(np.append(ids, tokenizer.eod))
+            total[split] += len(ids) + 1
+    for s, p in prefixes.items():
+        builders[s].finalize(f"{p}.idx")
     return total
 
 
+def write_shard(tokenizer: Tokenizer, docs: Iterable[str], prefix: Path, dtype: type[np.number]) -> int:
+    """Tokenize ``docs`` into indexed dataset ``prefix``.bin/.idx (one entry per document, eod appended)."""
+    return write_shards(tokenizer, (("", doc) for doc in docs), {"": prefix}, dtype)[""]
+
+
 def merge_shards(shards: list[Path], prefix: Path, dtype: type[np.number]) -> None:
-    """Concatenate shard datasets in order into ``prefix``.bin/.idx (temp names, then renamed)."""
+    """Concatenate shard datasets in order into ``prefix``.bin/.idx (temp names, then renamed), streamed: a
+    block at a time (engine.data.indexed), whatever the shards' sizes."""
     from engine.data.indexed import IndexedWriter
 
     tmp = prefix.with_name(f".{prefix.name}.tmp")

@@ -19,7 +19,7 @@ from pipeline.records.files import atomic_write_text as _atomic_write
 from pipeline.schema.config import PipelineConfig
 from stages import tasks
 from stages.data_prep.chat_files import write_chat_files
-from stages.data_prep.corpus import HELD_OUT, MIX, rng, task_documents
+from stages.data_prep.corpus import HELD_OUT, MIX, iter_task_documents, rng, task_document_count
 from stages.data_prep.outputs import write_manifest, write_shard, write_task_files
 from stages.data_prep.tokenizer import (
     build_tokenizer,
@@ -52,7 +52,7 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: World) -> dict[str, A
         for doc in ds.sample_documents(units, d.sources, d, int(d.tokenizer_sample_mb * 1e6)):
             n += 1
             yield doc
-        yield from task_documents(held, n, d.task_mix_fraction, rng(d.seed, MIX))
+        yield from iter_task_documents(held, n, d.task_mix_fraction, rng(d.seed, MIX))
 
     def tokenizer_json() -> str:
         if d.tokenizer_path is not None:
@@ -149,7 +149,7 @@ def _merge_sources(
         for j, k in dups.items():
             per[names[j]]["duplicates"] += k
     task_docs = _task_mix(cfg, out, held, train_docs, tokenizer, dtype, tokens)
-    if task_docs:
+    if task_docs > 0:
         text_files.append("text_train-task")
         blend.append({"prefix": "text_train-task", "weight": 1.0 - text_weight, "source": "task"})
     for name, c in per.items():
@@ -162,8 +162,8 @@ def _merge_sources(
     copy_hf_tokenizer_files(d, out)
     counts.update(write_chat_files(out, d, tokenizer))
     counts.update(
-        documents_train=train_docs + len(task_docs),
-        documents_task=len(task_docs),
+        documents_train=train_docs + task_docs,
+        documents_task=task_docs,
         tokens_train=sum(int(c.get("tokens_train", 0)) for c in per.values()) + tokens.get("task", 0),
         tokens_valid=tokens["valid"],
         tokens_test=tokens["test"],
@@ -188,19 +188,19 @@ def _task_mix(
     tokenizer: Tokenizer,
     dtype: type[np.number],
     tokens: dict[str, int],
-) -> list[str]:
+) -> int:
     """The generated task's own dataset in the blend (text_train-task), weighted task_mix_fraction; at least
-    one document. Its token count goes into ``tokens["task"]``."""
+    one document, generated as they are tokenized. Returns their number; the tokens go into ``tokens["task"]``."""
     d = cfg.data
     if d.task_mix_fraction <= 0:
-        return []
-    task_docs = task_documents(held, train_docs, d.task_mix_fraction, rng(d.seed, MIX), at_least=1)
-    if task_docs:
-        tmp = out / ".text_train-task.tmp"
-        tokens["task"] = write_shard(tokenizer, task_docs, tmp, dtype)
-        for ext in (".bin", ".idx"):
-            os.replace(f"{tmp}{ext}", out / f"text_train-task{ext}")
-    return task_docs
+        return 0
+    n = task_document_count(train_docs, d.task_mix_fraction, at_least=1)
+    task_docs = iter_task_documents(held, train_docs, d.task_mix_fraction, rng(d.seed, MIX), at_least=1)
+    tmp = out / ".text_train-task.tmp"
+    tokens["task"] = write_shard(tokenizer, task_docs, tmp, dtype)
+    for ext in (".bin", ".idx"):
+        os.replace(f"{tmp}{ext}", out / f"text_train-task{ext}")
+    return n
 
 
 def _source_counts(scratch: Path, units: list[Any], names: list[str]) -> dict[str, dict[str, Any]]:

@@ -20,9 +20,10 @@ def train_tokenizer(docs: Iterable[str], vocab_size: int) -> Any:
     """A byte-level BPE trained on ``docs`` (any iterable: read once, never held): special tokens first, digits
     one per token. Long documents go in pieces cut where the pre-tokenizer splits anyway (engine.data.pieces),
     so the trainer counts the same words and memory does not follow a document's size."""
-    from engine.data.pieces import text_pieces
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from engine.data.pieces import text_pieces
 
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.Sequence(

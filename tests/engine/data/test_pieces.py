@@ -19,7 +19,9 @@ LLAMA3 = (
 def messy_text(n_words: int, seed: int = 0) -> str:
     """Words, digits, punctuation, unicode and every kind of whitespace run, with no document structure."""
     rng = np.random.default_rng(seed)
-    words = "the King's  crown,\tnight 2024 3.14 café «quoted» (war) -- peace!\n\n  river\r\n x日本語 don't".split(" ")
+    words = "the King's  crown,\tnight 2024 3.14 café «quoted» (war) -- peace!\n\n  river\r\n x日本語 don't".split(
+        " "
+    )
     seps = [" ", " ", " ", "  ", "\n", " \n ", "\t", "   ", ""]
     return "".join(str(rng.choice(words)) + str(rng.choice(seps)) for _ in range(n_words))
 
@@ -58,7 +60,11 @@ def test_pieces_are_bounded_cover_the_text_and_cut_before_a_space() -> None:
 @pytest.mark.parametrize("kind", ["pipeline", "gpt2", "llama3"])
 def test_pieces_give_the_ids_of_the_whole_document(kind: str) -> None:
     sample = [messy_text(400, s) for s in range(20)]
-    hf = train_tokenizer(sample, 700) if kind == "pipeline" else gpt_like(None if kind == "gpt2" else LLAMA3, sample)
+    hf = (
+        train_tokenizer(sample, 700)
+        if kind == "pipeline"
+        else gpt_like(None if kind == "gpt2" else LLAMA3, sample)
+    )
     text = messy_text(4000, 99)
     whole = hf.encode(text, add_special_tokens=False).ids  # type: ignore[attr-defined]
     for limit in (120, 200, 4096):
