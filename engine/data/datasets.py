@@ -101,7 +101,7 @@ class Tokenizer:
         return [ids.tolist() for ids in self.encode_arrays(texts)]
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """The ids of each text (int64). Long texts go in pieces and the tokenizer gets bounded batches
+        """The ids of each text (int32). Long texts go in pieces and the tokenizer gets bounded batches
         (engine.data.pieces), so memory follows those bounds and a few bytes per token of the output."""
         from engine.data.pieces import bounded_batches, text_pieces
 
@@ -110,7 +110,7 @@ class Tokenizer:
         for batch in bounded_batches(pieces, lambda x: len(x[1])):
             encoded = self.hf.encode_batch_fast([p for _, p in batch], add_special_tokens=False)
             for (i, _), e in zip(batch, encoded):
-                parts[i].append(np.asarray(e.ids, dtype=np.int64))
+                parts[i].append(np.asarray(e.ids, dtype=np.int32))
         return [p[0] if len(p) == 1 else np.concatenate(p) for p in parts]
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 PIECE_CHARS = 1 << 16
 """Longest text given to the tokenizer in one piece (longer documents are cut, see the module docstring)."""
-BATCH_CHARS = 1 << 19
+BATCH_CHARS = 1 << 18
 """Most characters per tokenizer call (a batch of documents or pieces)."""
 BATCH_DOCS = 512
 """Most documents (or pieces) per tokenizer call."""
