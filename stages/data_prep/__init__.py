@@ -7,6 +7,8 @@ Steps (``main``):
    (files or globs): ``.txt``/``.md`` are cut into documents of about ``DOC_CHARS`` characters at blank
    lines (trailing spaces of each line dropped), ``.jsonl`` gives one document per line from the field
    ``data.jsonl_text_key``. ``data.max_corpus_mb`` caps the text read (whole documents, in file order).
+   Nothing is held: rank 0 reads the files once to count and split the documents (``corpus.plan_corpus``),
+   the tokenizer trains from a second pass, and each rank streams a third to tokenize its shards.
 2. Split documents into train / valid (``data.valid_fraction``, seeded) and add generated arithmetic
    documents (``stages.tasks``) to the training side so they are ``data.task_mix_fraction`` of its
    documents. Validation stays natural text, so its perplexity is comparable across task mixes.
@@ -16,8 +18,9 @@ Steps (``main``):
 4. Tokenize and write megatron indexed datasets ``text_train`` / ``text_valid`` (one document per
    entry, eod appended, uint16 when the vocabulary fits). Under ``mpiexec -n N`` (mpi4py, imported only
    then) every rank tokenizes a contiguous shard of the documents into its own indexed dataset and rank
-   0 concatenates the shards in rank order with ``IndexedWriter.add_index`` (engine/data/indexed.py); one rank goes
-   through the same code with a single shard, so the output is byte-identical for any N.
+   0 concatenates the shards in rank order with ``IndexedWriter.add_index`` (engine/data/indexed.py, block by
+   block); one rank goes through the same code with a single shard, so the output is byte-identical for any N.
+   Tokenizer calls are bounded and long documents go in pieces (engine/data/pieces.py).
 5. Write ``sft_train.jsonl`` (with ``data.sft_noise``'s systematic errors, if any), ``pref_train.jsonl``,
    ``rl_train.jsonl`` (online RL's prompt stream: ``{prompt, answer}``, the checker's right answer),
    ``eval_task.jsonl``, ``eval_pref.jsonl`` (held-out prompts never appear in a training file) and

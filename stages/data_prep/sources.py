@@ -94,8 +94,8 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: World) -> dict[str, A
         return {"rank": world.rank}
     try:
         t = time.perf_counter()
-        result = _merge_sources(cfg, out, scratch, units, fmts, held, tokenizer, dtype, tok_json)
-        timings["merge_s"] = time.perf_counter() - t
+        result = _merge_sources(cfg, out, scratch, units, fmts, held, tokenizer, dtype, tok_json, timings)
+        timings["merge_s"] = time.perf_counter() - t  # all rank 0 writes, task_mix_s included
     finally:
         world.barrier()
     shutil.rmtree(scratch, ignore_errors=True)
@@ -114,6 +114,7 @@ def _merge_sources(
     tokenizer: Tokenizer,
     dtype: type[np.number],
     tok_json: str,
+    timings: dict[str, float],
 ) -> dict[str, Any]:
     from engine.data import sources as ds
 
@@ -148,7 +149,9 @@ def _merge_sources(
         text_files.append(f"text_{split}")
         for j, k in dups.items():
             per[names[j]]["duplicates"] += k
+    t = time.perf_counter()
     task_docs = _task_mix(cfg, out, held, train_docs, tokenizer, dtype, tokens)
+    timings["task_mix_s"] = time.perf_counter() - t  # generated and tokenized on rank 0 alone
     if task_docs > 0:
         text_files.append("text_train-task")
         blend.append({"prefix": "text_train-task", "weight": 1.0 - text_weight, "source": "task"})
