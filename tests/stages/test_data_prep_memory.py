@@ -15,9 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.schema.config import DataConfig
 from pipeline.schema.sections import DataSource
+from stages import tasks
 from tests.support.env import python_env
-from tests.support.prep import WORDS, prep_config
+from tests.support.prep import WORDS, prep_config, run_prep
 
 PREP = """
 import json, sys
@@ -133,3 +135,70 @@ def test_dedup_keeps_first_occurrences_in_compact_memory() -> None:
         tracemalloc.stop()
     assert sum(len(r) for r in big.runs) == 200_000
     assert peak < 10 * 2**20, f"dedup peak {peak / 2**20:.1f} MB"
+
+
+def test_streamed_corpus_gives_what_reading_it_whole_gave(tmp_path: Path) -> None:
+    """corpus=files streamed (three passes, long documents in pieces) writes the documents, ids and tokenizer
+    that reading every file whole, splitting in memory and tokenizing whole documents wrote before."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from engine.data.datasets import SPECIAL_TOKENS
+    from engine.data.formats.text import pack_paragraphs
+    from engine.data.indexed import documents
+    from stages import data_prep
+
+    rng = np.random.default_rng(5)
+    (tmp_path / "a.txt").write_bytes(
+        "\r\n".join(
+            one_line(int(rng.integers(5, 60))) + str(rng.choice(["", "\x0c", "\u2028x", "  ", "\n"]))
+            for _ in range(900)
+        ).encode()
+    )
+    records = [{"text": one_line(int(rng.integers(10, 200)))} for _ in range(300)]
+    records.insert(100, {"text": one_line(45_000)})  # ~250K characters on one line: four pieces
+    lines = [json.dumps(r) for r in records]
+    (tmp_path / "b.jsonl").write_text("\n".join(lines[:150]) + "\n\n   \n" + "\n".join(lines[150:]) + "\n")
+    (tmp_path / "c.md").write_text("# Title\n\n" + "\n\n".join(one_line(30) for _ in range(50)))
+    cfg = prep_config(
+        {"corpus": "files", "text_paths": [str(tmp_path / n) for n in ("a.txt", "b.jsonl", "c.md")]},
+        {"vocab_size": 400, "valid_fraction": 0.1, "task_mix_fraction": 0.1, "num_sft_examples": 8},
+    )
+    cfg.data.num_pref_pairs, cfg.data.num_eval_examples, cfg.data.max_operand = 8, 8, 30
+    cfg.data.task = "arithmetic"
+    out = tmp_path / "data_prep"
+    run_prep(cfg, out)
+
+    d = cfg.data  # the corpus as it was read before: every file whole, in memory
+    docs = list(pack_paragraphs((tmp_path / "a.txt").read_text(encoding="utf-8").splitlines()))
+    docs += [json.loads(ln)["text"] for ln in (tmp_path / "b.jsonl").read_text().splitlines() if ln.strip()]
+    docs += list(pack_paragraphs((tmp_path / "c.md").read_text().splitlines()))
+    assert max(map(len, docs)) > 200_000
+    train, valid = data_prep.split_documents(docs, d.valid_fraction, d.seed)
+    held = tasks_split(d)
+    train += data_prep.task_documents(
+        held, len(train), d.task_mix_fraction, np.random.default_rng([d.seed, 4])
+    )
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=d.vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    hf.train_from_iterator(train, trainer=trainer, length=len(train))
+    assert (out / "tokenizer.json").read_text() == hf.to_str()
+    eod = hf.token_to_id(SPECIAL_TOKENS["eod"])
+    for split, expected in (("train", train), ("valid", valid)):
+        tokens, offsets = documents(out / f"text_{split}")
+        assert len(offsets) - 1 == len(expected)
+        for j, doc in enumerate(expected):
+            assert tokens[offsets[j] : offsets[j + 1]].tolist() == hf.encode(doc).ids + [eod], (split, j)
+
+
+def tasks_split(d: DataConfig) -> tasks.TaskSplit:
+    return tasks.make_split(d.num_eval_examples, d.max_operand, np.random.default_rng([d.seed, 1]), d.task)
