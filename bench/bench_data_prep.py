@@ -50,8 +50,9 @@ def peak_mb():  # this process's own high-water mark: ru_maxrss also counts the 
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+use = resource.getrusage(resource.RUSAGE_SELF)
 print("RESULT", json.dumps({"rank": rank, "wall_s": time.perf_counter() - t, "timings": r.get("timings", {}),
-      "peak_rss_mb": peak_mb()}))
+      "peak_rss_mb": peak_mb(), "cpu_s": use.ru_utime + use.ru_stime}))
 """
 
 
@@ -135,6 +136,7 @@ def run_ranks(cfg: dict[str, Any], out: Path, ranks: int) -> dict[str, Any]:
     return {
         "wall_s": time.perf_counter() - t,
         "rss": [r["peak_rss_mb"] for r in results],
+        "cpu": [r["cpu_s"] for r in results],
         "timings": results[0]["timings"],
     }
 
@@ -181,6 +183,12 @@ def memory_and_scaling(args: argparse.Namespace, tmp: Path, words: list[str]) ->
     print(
         f"{args.scaling_mb:g} MB: 1 rank {one['wall_s']:.1f} s, 2 ranks {two['wall_s']:.1f} s: scaling 1 -> 2 ranks "
         f"{eff:.2f} (goal >= 0.8 on an idle machine)"
+    )
+    cpu1, cpu2 = one["cpu"][0], two["cpu"]
+    print(
+        f"  CPU seconds (whole process, start-up included): 1 rank {cpu1:.1f}; 2 ranks "
+        f"{' / '.join(f'{c:.1f}' for c in cpu2)}: each rank on a core of its own (an idle machine), the scaling "
+        f"would be about {cpu1 / (2 * max(cpu2)):.2f}"
     )
     for n, t in ((1, t1), (2, t2)):
         print(f"  {n} rank(s), rank 0: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()))
