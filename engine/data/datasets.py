@@ -98,7 +98,20 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=False).ids)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [list(e.ids) for e in self.hf.encode_batch_fast(list(texts), add_special_tokens=False)]
+        return [ids.tolist() for ids in self.encode_arrays(texts)]
+
+    def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """The ids of each text (int32). Long texts go in pieces and the tokenizer gets bounded batches
+        (engine.data.pieces), so memory follows those bounds and a few bytes per token of the output."""
+        from engine.data.pieces import bounded_batches, text_pieces
+
+        parts: list[list[np.ndarray]] = [[] for _ in texts]
+        pieces = ((i, p) for i, t in enumerate(texts) for p in text_pieces(t))
+        for batch in bounded_batches(pieces, lambda x: len(x[1])):
+            encoded = self.hf.encode_batch_fast([p for _, p in batch], add_special_tokens=False)
+            for (i, _), e in zip(batch, encoded):
+                parts[i].append(np.asarray(e.ids, dtype=np.int32))
+        return [p[0] if len(p) == 1 else np.concatenate(p) for p in parts]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; special tokens are kept as their text."""

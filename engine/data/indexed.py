@@ -14,10 +14,13 @@ number of entries of the document index), sequence lengths (int32), sequence byt
 
 from __future__ import annotations
 
+import os
 import shutil
 import struct
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -32,66 +35,118 @@ DTYPE_CODES = {
     "float32": 7,
     "uint16": 8,
 }
+CHUNK = 1 << 20
+"""Bytes per block when indexes and token files are copied (the writer's memory does not grow with the data)."""
 
 
 class IndexedWriter:
-    """Write ``<prefix>.bin`` document by document (one sequence each), then ``finalize`` the ``.idx``."""
+    """Write ``<prefix>.bin`` document by document (one sequence each), then ``finalize`` the ``.idx``.
 
-    def __init__(self, bin_path: str | Path, dtype: Any) -> None:
+    Memory stays bounded whatever the dataset's size: tokens go straight to ``.bin``, the sequence lengths and
+    document ends to two unnamed temporary files next to it (nothing is left behind by a crash), and
+    :meth:`add_index` and :meth:`finalize` copy in blocks of ``chunk`` bytes.
+    """
+
+    def __init__(self, bin_path: str | Path, dtype: Any, chunk: int = CHUNK) -> None:
         self.dtype = np.dtype(dtype)
         if self.dtype.name not in DTYPE_CODES:
             raise ValueError(f"indexed dataset dtype {self.dtype}: expected one of {sorted(DTYPE_CODES)}")
+        self.chunk = max(8, chunk - chunk % 8)
         self.data = open(bin_path, "wb")  # noqa: SIM115 (closed by finalize)
-        self.lengths: list[int] = []
-        self.documents: list[int] = [0]
+        folder = Path(bin_path).parent
+        self._lengths = tempfile.TemporaryFile(dir=folder)  # int64 per sequence
+        self._ends = tempfile.TemporaryFile(dir=folder)  # int64 per document: sequences written so far
+        self.sequences = 0
+        self.documents = 1  # entries of the document index (it starts with 0)
 
     def add_document(self, ids: Any) -> None:
         """Append one document of token ids as one sequence."""
         array = np.asarray(ids, dtype=self.dtype)
         self.data.write(array.tobytes(order="C"))
-        self.lengths.append(int(array.size))
-        self.documents.append(len(self.lengths))
+        self.sequences += 1
+        self._lengths.write(struct.pack("<q", array.size))
+        self._ends.write(struct.pack("<q", self.sequences))
+        self.documents += 1
 
     def add_index(self, prefix: str | Path) -> None:
         """Append every document of the dataset ``prefix``.bin/.idx (same dtype)."""
-        dtype, lengths, documents = read_index(f"{prefix}.idx")
-        if dtype != self.dtype:
-            raise ValueError(f"{prefix}.idx: dtype {dtype}, this dataset is {self.dtype}")
-        offset = len(self.lengths)
-        self.lengths.extend(int(n) for n in lengths)
-        self.documents.extend(int(d) + offset for d in documents[1:])
+        with open(f"{prefix}.idx", "rb") as f:
+            dtype, sequences, documents = _header(f, f"{prefix}.idx")
+            if dtype != self.dtype:
+                raise ValueError(f"{prefix}.idx: dtype {dtype}, this dataset is {self.dtype}")
+            for block in _blocks(f, np.int32, sequences, self.chunk, f"{prefix}.idx"):
+                self._lengths.write(block.astype("<i8").tobytes())
+            f.seek(8 * sequences, os.SEEK_CUR)  # the shard's byte offsets: recomputed by finalize
+            first = True
+            for block in _blocks(f, np.int64, documents, self.chunk, f"{prefix}.idx"):
+                block = block[1:] if first else block  # every document index starts with 0
+                first = False
+                self._ends.write((block + self.sequences).astype("<i8").tobytes())
+        self.sequences += sequences
+        self.documents += max(documents - 1, 0)
         with open(f"{prefix}.bin", "rb") as f:
-            shutil.copyfileobj(f, self.data)
+            shutil.copyfileobj(f, self.data, self.chunk)
 
     def finalize(self, idx_path: str | Path) -> None:
-        """Close ``.bin`` and write the index."""
+        """Close ``.bin`` and write the index: header, lengths (int32), byte offsets (int64), document ends."""
         self.data.close()
-        lengths = np.asarray(self.lengths, dtype=np.int64)
-        pointers = np.zeros(len(lengths), dtype=np.int64)
-        np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         with open(idx_path, "wb") as f:
             f.write(HEADER + struct.pack("<Q", 1) + struct.pack("<B", DTYPE_CODES[self.dtype.name]))
-            f.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(self.documents)))
-            f.write(lengths.astype(np.int32).tobytes(order="C"))
-            f.write(pointers.tobytes(order="C"))
-            f.write(np.asarray(self.documents, dtype=np.int64).tobytes(order="C"))
+            f.write(struct.pack("<Q", self.sequences) + struct.pack("<Q", self.documents))
+            self._lengths.seek(0)
+            for block in _blocks(self._lengths, np.int64, self.sequences, self.chunk):
+                f.write(block.astype("<i4").tobytes())
+            self._lengths.seek(0)
+            offset = 0
+            for block in _blocks(self._lengths, np.int64, self.sequences, self.chunk):
+                nbytes = block * self.dtype.itemsize
+                ends = np.cumsum(nbytes) + offset
+                f.write((ends - nbytes).astype("<i8").tobytes())
+                offset = int(ends[-1])
+            f.write(struct.pack("<q", 0))
+            self._ends.seek(0)
+            shutil.copyfileobj(self._ends, f, self.chunk)
+        self._lengths.close()
+        self._ends.close()
+
+
+def _header(f: BinaryIO, name: str) -> tuple[np.dtype, int, int]:
+    """(dtype, sequence count, document-index entries) from the start of an open ``.idx``."""
+    head = f.read(34)
+    if len(head) < 34 or head[:9] != HEADER or struct.unpack_from("<Q", head, 9)[0] != 1:
+        raise ValueError(f"{name}: not a version-1 megatron indexed dataset index")
+    code = head[17]
+    names = {c: n for n, c in DTYPE_CODES.items()}
+    if code not in names:
+        raise ValueError(f"{name}: unknown dtype code {code}")
+    sequences, documents = struct.unpack_from("<QQ", head, 18)
+    return np.dtype(names[code]), int(sequences), int(documents)
+
+
+def _blocks(f: BinaryIO, dtype: Any, count: int, chunk: int, name: str = "spool") -> Iterator[np.ndarray]:
+    """``count`` little-endian items of ``dtype`` read from ``f``'s position on, at most ``chunk`` bytes at a
+    time (``name``: the file, for the error)."""
+    size = np.dtype(dtype).itemsize
+    per = max(1, chunk // size)
+    while count > 0:
+        n = min(per, count)
+        raw = f.read(n * size)
+        if len(raw) < n * size:
+            raise ValueError(f"{name}: truncated")
+        yield np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
+        count -= n
 
 
 def read_index(idx_path: str | Path) -> tuple[np.dtype, np.ndarray, np.ndarray]:
     """``(dtype, sequence lengths, document index)`` of an ``.idx`` file; ValueError naming it if malformed."""
-    raw = Path(idx_path).read_bytes()
-    if raw[:9] != HEADER or struct.unpack_from("<Q", raw, 9)[0] != 1:
-        raise ValueError(f"{idx_path}: not a version-1 megatron indexed dataset index")
-    code = raw[17]
-    names = {c: n for n, c in DTYPE_CODES.items()}
-    if code not in names:
-        raise ValueError(f"{idx_path}: unknown dtype code {code}")
-    sequences, documents = struct.unpack_from("<QQ", raw, 18)
-    offset = 34
-    lengths = np.frombuffer(raw, dtype=np.int32, count=sequences, offset=offset)
-    offset += 4 * sequences + 8 * sequences
-    doc_index = np.frombuffer(raw, dtype=np.int64, count=documents, offset=offset)
-    return np.dtype(names[code]), lengths, doc_index
+    with open(idx_path, "rb") as f:
+        dtype, sequences, documents = _header(f, str(idx_path))
+        lengths = np.fromfile(f, dtype="<i4", count=sequences)
+        f.seek(8 * sequences, os.SEEK_CUR)
+        doc_index = np.fromfile(f, dtype="<i8", count=documents)
+    if len(lengths) < sequences or len(doc_index) < documents:
+        raise ValueError(f"{idx_path}: truncated")
+    return dtype, lengths, doc_index
 
 
 def documents(prefix: str | Path) -> tuple[np.ndarray, np.ndarray]:

@@ -40,10 +40,9 @@ from typing import Any
 import numpy as np
 
 from engine.data.formats import FORMATS, Bad, Unit, source_format
+from engine.data.pieces import BATCH_CHARS, BATCH_DOCS
 from pipeline.records.files import atomic_write_text
 
-ENCODE_BATCH = 512
-"""Documents per tokenizer call."""
 SPLITS = ("train", "valid", "test")
 EXAMPLES_KEPT = 3
 """First malformed records kept per unit as examples (``bad_records=skip``)."""
@@ -122,14 +121,16 @@ def write_unit(unit: Unit, src: Any, d: Any, tokenizer: Any, dtype: Any, scratch
     counts: dict[str, int] = {"documents": 0, "malformed": 0, "empty": 0, "too_short": 0, "too_long": 0}
     tokens = dict.fromkeys(SPLITS, 0)
     examples: list[str] = []
-    pending: list[tuple[str, str]] = []
+    pending: list[tuple[str, str]] = []  # at most BATCH_DOCS documents or BATCH_CHARS characters
+    pending_chars = 0
 
     def flush() -> None:
-        for (split, _), ids in zip(pending, tokenizer.encode_batch([t for _, t in pending])):
-            ids.append(tokenizer.eod)
-            builders[split].add_document(ids)
-            tokens[split] += len(ids)
+        nonlocal pending_chars
+        for (split, _), ids in zip(pending, tokenizer.encode_arrays([t for _, t in pending])):
+            builders[split].add_document(np.append(ids, tokenizer.eod))
+            tokens[split] += len(ids) + 1
         pending.clear()
+        pending_chars = 0
 
     for doc in unit_records(unit, src):
         if isinstance(doc, Bad):
@@ -149,8 +150,9 @@ def write_unit(unit: Unit, src: Any, d: Any, tokenizer: Any, dtype: Any, scratch
         split = split_of(h, d.valid_fraction, d.test_fraction)
         hashes[split].append(h)
         pending.append((split, doc))
+        pending_chars += len(doc)
         counts["documents"] += 1
-        if len(pending) >= ENCODE_BATCH:
+        if len(pending) >= BATCH_DOCS or pending_chars >= BATCH_CHARS:
             flush()
     flush()
     for s in SPLITS:
@@ -169,13 +171,36 @@ def write_unit(unit: Unit, src: Any, d: Any, tokenizer: Any, dtype: Any, scratch
     return info
 
 
+class SeenHashes:
+    """The content hashes met so far by the merge (exact dedup): sorted runs of 16-byte keys, 16 bytes per
+    document instead of a Python set's ~100, merged like a binary counter (a few runs at any time)."""
+
+    def __init__(self) -> None:
+        self.runs: list[np.ndarray] = []
+
+    def first_seen(self, hashes: np.ndarray) -> np.ndarray:
+        """Mask of the rows of ``hashes`` (n x 16 uint8) not met before, earlier rows first; adds them."""
+        keys = np.ascontiguousarray(hashes, dtype=np.uint8).view("V16").ravel()
+        keep = np.zeros(len(keys), dtype=bool)
+        keep[np.unique(keys, return_index=True)[1]] = True  # the first of repeats within these rows
+        for run in self.runs:
+            at = np.minimum(np.searchsorted(run, keys), len(run) - 1)
+            keep &= run[at] != keys
+        new = np.sort(keys[keep])
+        while self.runs and len(self.runs[-1]) <= len(new):
+            new = np.sort(np.concatenate([self.runs.pop(), new]))
+        if len(new):
+            self.runs.append(new)
+        return keep
+
+
 def merge_units(
-    scratch: Path, units: list[Unit], split: str, prefix: Path, dtype: Any, seen: set[bytes] | None
+    scratch: Path, units: list[Unit], split: str, prefix: Path, dtype: Any, seen: SeenHashes | None
 ) -> tuple[int, int, dict[int, int]]:
     """Concatenate the units' ``split`` shards in unit order into ``prefix`` (temp names, then renamed).
 
     With ``seen`` (dedup on), a document whose hash was seen before is dropped. Returns (documents,
-    tokens, duplicates per source index).
+    tokens, duplicates per source index). Memory: one unit's index and hashes, plus ``seen``.
     """
     from engine.data.indexed import IndexedWriter, documents
 
@@ -186,16 +211,9 @@ def merge_units(
     for u in units:
         stem = f"{scratch}/u{u.index:06d}-{split}"
         hashes = np.load(f"{stem}.hashes.npy")
-        keep = np.ones(len(hashes), dtype=bool)
-        if seen is not None:
-            for j, row in enumerate(hashes):
-                key = row.tobytes()
-                if key in seen:
-                    keep[j] = False
-                else:
-                    seen.add(key)
         if not len(hashes):
             continue
+        keep = np.ones(len(hashes), dtype=bool) if seen is None else seen.first_seen(hashes)
         unit_tokens, offsets = documents(stem)
         if keep.all():
             builder.add_index(stem)

@@ -7,6 +7,8 @@ Steps (``main``):
    (files or globs): ``.txt``/``.md`` are cut into documents of about ``DOC_CHARS`` characters at blank
    lines (trailing spaces of each line dropped), ``.jsonl`` gives one document per line from the field
    ``data.jsonl_text_key``. ``data.max_corpus_mb`` caps the text read (whole documents, in file order).
+   Nothing is held: rank 0 reads the files once to count and split the documents (``corpus.plan_corpus``),
+   the tokenizer trains from a second pass, and each rank streams a third to tokenize its shards.
 2. Split documents into train / valid (``data.valid_fraction``, seeded) and add generated arithmetic
    documents (``stages.tasks``) to the training side so they are ``data.task_mix_fraction`` of its
    documents. Validation stays natural text, so its perplexity is comparable across task mixes.
@@ -16,8 +18,9 @@ Steps (``main``):
 4. Tokenize and write megatron indexed datasets ``text_train`` / ``text_valid`` (one document per
    entry, eod appended, uint16 when the vocabulary fits). Under ``mpiexec -n N`` (mpi4py, imported only
    then) every rank tokenizes a contiguous shard of the documents into its own indexed dataset and rank
-   0 concatenates the shards in rank order with ``IndexedWriter.add_index`` (engine/data/indexed.py); one rank goes
-   through the same code with a single shard, so the output is byte-identical for any N.
+   0 concatenates the shards in rank order with ``IndexedWriter.add_index`` (engine/data/indexed.py, block by
+   block); one rank goes through the same code with a single shard, so the output is byte-identical for any N.
+   Tokenizer calls are bounded and long documents go in pieces (engine/data/pieces.py).
 5. Write ``sft_train.jsonl`` (with ``data.sft_noise``'s systematic errors, if any), ``pref_train.jsonl``,
    ``rl_train.jsonl`` (online RL's prompt stream: ``{prompt, answer}``, the checker's right answer),
    ``eval_task.jsonl``, ``eval_pref.jsonl`` (held-out prompts never appear in a training file) and
@@ -55,18 +58,22 @@ from engine.data.datasets import MANIFEST
 from pipeline.records.files import atomic_write_text as _atomic_write
 from pipeline.schema.config import PipelineConfig
 from pipeline.schema.data_needs import check_prepared
-from stages import tasks
 from stages.data_prep.chat_files import write_chat_files
 from stages.data_prep.corpus import (
     DOC_CHARS,
-    HELD_OUT,
-    MIX,
+    CorpusPlan,
+    plan_corpus,
     read_corpus,
-    rng,
     split_documents,
     task_documents,
 )
-from stages.data_prep.outputs import merge_shards, write_manifest, write_shard, write_task_files
+from stages.data_prep.outputs import (
+    merge_shards,
+    write_manifest,
+    write_shard,
+    write_shards,
+    write_task_files,
+)
 from stages.data_prep.sources import prepare_sources
 from stages.data_prep.tokenizer import (
     build_tokenizer,
@@ -121,41 +128,35 @@ def prepare_corpus(cfg: PipelineConfig, out: Path, world: World) -> dict[str, An
         for stale in out.glob(".shards-*"):  # left by a crashed attempt
             shutil.rmtree(stale, ignore_errors=True)
 
-    text_docs, sources = read_corpus(d)
-    train_docs, valid_docs = split_documents(text_docs, d.valid_fraction, d.seed)
-    held = tasks.make_split(d.num_eval_examples, d.max_operand, rng(d.seed, HELD_OUT), d.task)
-    task_docs = task_documents(held, len(train_docs), d.task_mix_fraction, rng(d.seed, MIX))
-    train_docs = train_docs + task_docs
+    plan = plan_corpus(d, world.on_root)  # one pass on rank 0: counts and the split, nothing held
     timings["read_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    tok_json = world.on_root(lambda: tokenizer_text(d, train_docs))
+    tok_json = world.on_root(lambda: tokenizer_text(d, plan.train_documents()))
     tokenizer = tokenizer_from_str(tok_json, d)
     timings["tokenizer_s"] = time.perf_counter() - t
 
     dtype = token_dtype(tokenizer.vocab_size)
-    tokens = _tokenize_splits(
-        world, out, tokenizer, dtype, {"train": train_docs, "valid": valid_docs}, timings
-    )
+    tokens = _tokenize_splits(world, out, tokenizer, dtype, plan, timings)
     if world.rank != 0:
         return {"rank": world.rank}
 
-    counts = write_task_files(out, d, held)
+    counts = write_task_files(out, d, plan.held)
     _atomic_write(out / "tokenizer.json", tok_json)
     copy_hf_tokenizer_files(d, out)
     counts.update(write_chat_files(out, d, tokenizer))
     counts.update(
-        documents_text=len(text_docs),
-        documents_task=len(task_docs),
-        documents_train=len(train_docs),
-        documents_valid=len(valid_docs),
+        documents_text=plan.n_text,
+        documents_task=plan.n_task,
+        documents_train=plan.n_train,
+        documents_valid=plan.n_valid,
         tokens_train=tokens["train"],
-        tokens_train_text=_leading_tokens(out / "text_train", len(train_docs) - len(task_docs)),
+        tokens_train_text=_leading_tokens(out / "text_train", plan.n_text - plan.n_valid),
         tokens_valid=tokens["valid"],
-        corpus_bytes=sum(len(x.encode()) for x in text_docs),
+        corpus_bytes=plan.corpus_bytes,
     )
     check_prepared(cfg, counts)  # what remains is enough for the selected stages, before the manifest
-    manifest = write_manifest(out, d, tokenizer, dtype, counts, sources)
+    manifest = write_manifest(out, d, tokenizer, dtype, counts, plan.sources)
     timings["total_s"] = sum(timings.values())
     tok_s = (tokens["train"] + tokens["valid"]) / max(timings["tokenize_s"], 1e-9)
     return {
@@ -180,30 +181,32 @@ def _tokenize_splits(
     out: Path,
     tokenizer: Any,
     dtype: Any,
-    splits: dict[str, list[str]],
+    plan: CorpusPlan,
     timings: dict[str, float],
 ) -> dict[str, int]:
-    """Every rank tokenizes its contiguous shard of each split; rank 0 merges the shards into ``text_<split>``
-    in rank order. Returns the tokens per split (summed over ranks); adds ``tokenize_s`` to ``timings``."""
+    """Every rank tokenizes its contiguous shard of each split in one streamed pass; rank 0 merges the shards
+    into ``text_<split>`` in rank order. Returns the tokens per split (summed over ranks); adds ``tokenize_s``
+    (and ``merge_s`` on rank 0) to ``timings``."""
     t = time.perf_counter()
     scratch = out / f".shards-{world.on_root(lambda: uuid.uuid4().hex[:8])}"
     scratch.mkdir(exist_ok=True)
-    tokens = {}
-    for split, docs in splits.items():
-        lo, hi = world.shard(len(docs))
-        tokens[split] = write_shard(tokenizer, docs[lo:hi], scratch / f"{split}-{world.rank:05d}", dtype)
+    ranges = {"train": world.shard(plan.n_train), "valid": world.shard(plan.n_valid)}
+    prefixes = {split: scratch / f"{split}-{world.rank:05d}" for split in ranges}
+    tokens = write_shards(tokenizer, plan.documents_in(ranges), prefixes, dtype)
     tokens = {k: world.sum(v) for k, v in tokens.items()}
     timings["tokenize_s"] = time.perf_counter() - t
     world.barrier()
     if world.rank != 0:
         world.barrier()
         return tokens
+    t = time.perf_counter()
     try:
-        for split in splits:
+        for split in ranges:
             merge_shards(
                 [scratch / f"{split}-{r:05d}" for r in range(world.size)], out / f"text_{split}", dtype
             )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         world.barrier()
+    timings["merge_s"] = time.perf_counter() - t
     return tokens

@@ -7,9 +7,10 @@ parsed by the one JSON-lines reader (``engine.data.formats.jsonl.json_lines``).
 from __future__ import annotations
 
 import glob
-import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +21,20 @@ from engine.data.formats.text import shakespeare_files as _plays
 from pipeline.schema.config import DataConfig
 from stages import tasks
 
-__all__ = ["DOC_CHARS", "read_corpus", "split_documents", "task_documents"]
+__all__ = [
+    "DOC_CHARS",
+    "CorpusPlan",
+    "corpus_documents",
+    "corpus_files",
+    "iter_task_documents",
+    "plan_corpus",
+    "read_corpus",
+    "scan_corpus",
+    "split_documents",
+    "task_document_count",
+    "task_documents",
+    "valid_mask",
+]
 
 TASK_PROBLEMS_PER_DOC = 128
 """Arithmetic problems per generated pretraining document (one per line)."""
@@ -61,61 +75,113 @@ def expand_text_paths(patterns: list[str]) -> list[Path]:
 
 
 def _file_documents(path: Path, key: str, text_key: str) -> Iterator[str]:
+    """The documents of one file, streamed line by line (the same documents as reading it whole)."""
     try:
-        raw = path.read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as f:
+            if path.suffix == ".jsonl":
+                yield from _jsonl_documents(path, f, key, text_key)
+                return
+            found = False
+            for doc in pack_paragraphs(sub for line in f for sub in line.splitlines()):
+                found = True
+                yield doc
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{key}: cannot read {path}: {e}") from e
-    if not raw.strip():
+    if not found:
         raise ValueError(f"{key}: file {path} is empty")
-    if path.suffix != ".jsonl":
-        yield from pack_paragraphs(raw.splitlines())
-        return
-    found = 0
-    for n, rec in json_lines(enumerate(io.BytesIO(raw.encode("utf-8")), 1)):
+
+
+def _jsonl_documents(path: Path, f: Iterable[str], key: str, text_key: str) -> Iterator[str]:
+    found = records = 0
+    for n, rec in json_lines(enumerate((line.encode("utf-8") for line in f), 1)):
         if isinstance(rec, Bad):
             raise ValueError(f"{key}: {path}:{n} is {rec.reason}")
+        records += 1
         value = rec.get(text_key) if isinstance(rec, dict) else None
         if not isinstance(value, str):
             raise ValueError(f"data.jsonl_text_key={text_key!r}: {path}:{n} has no string field {text_key!r}")
         if value.strip():
             found += 1
             yield value
+    if not records:
+        raise ValueError(f"{key}: file {path} is empty")
     if not found:
         raise ValueError(f"data.jsonl_text_key={text_key!r}: {path} holds no non-empty {text_key!r} field")
 
 
-def read_corpus(d: DataConfig) -> tuple[list[str], list[str]]:
-    """(documents, source files) of the configured corpus, at most ``max_corpus_mb`` of text."""
+def corpus_files(d: DataConfig) -> tuple[list[Path], str]:
+    """The configured corpus's files in reading order, and the key that names them in errors."""
     if d.corpus == "shakespeare":
-        files, key = shakespeare_files(), "data.corpus"
-    else:
-        files, key = expand_text_paths(d.text_paths), "data.text_paths"
+        return shakespeare_files(), "data.corpus"
+    return expand_text_paths(d.text_paths), "data.text_paths"
+
+
+def corpus_documents(d: DataConfig, files: list[Path], key: str) -> Iterator[tuple[int, str]]:
+    """(file number, document) in file order, at most ``max_corpus_mb`` of text (whole documents), streamed:
+    every pass reads the files again and gives the same documents."""
     cap = None if d.max_corpus_mb is None else int(d.max_corpus_mb * 1e6)
-    docs: list[str] = []
-    used: list[str] = []
     size = 0
-    for f in files:
+    for k, f in enumerate(files):
         if cap is not None and size >= cap:
-            break
-        used.append(str(f))
+            return
         for doc in _file_documents(f, key, d.jsonl_text_key):
-            docs.append(doc)
+            yield k, doc
             size += len(doc.encode())
             if cap is not None and size >= cap:
-                break
+                return
+
+
+def scan_corpus(d: DataConfig, files: list[Path], key: str) -> tuple[int, int, list[str]]:
+    """(documents, UTF-8 bytes, files read) of one pass over the corpus."""
+    n = size = 0
+    last = -1
+    for k, doc in corpus_documents(d, files, key):
+        n, size, last = n + 1, size + len(doc.encode()), k
+    if not n:
+        raise ValueError(f"{key}: the corpus yields no documents")
+    return n, size, [str(f) for f in files[: last + 1]]
+
+
+def read_corpus(d: DataConfig) -> tuple[list[str], list[str]]:
+    """(documents, source files) of the configured corpus, at most ``max_corpus_mb`` of text, in memory."""
+    files, key = corpus_files(d)
+    docs: list[str] = []
+    last = -1
+    for k, doc in corpus_documents(d, files, key):
+        docs.append(doc)
+        last = k
     if not docs:
         raise ValueError(f"{key}: the corpus yields no documents")
-    return docs, used
+    return docs, [str(f) for f in files[: last + 1]]
+
+
+def valid_mask(n: int, valid_fraction: float, seed: int) -> np.ndarray:
+    """Which of ``n`` documents are held out for validation: round(fraction x n) of them (>= 1 if fraction > 0),
+    seeded; one byte per document."""
+    n_valid = 0 if valid_fraction == 0 or n < 2 else min(n - 1, max(1, round(valid_fraction * n)))
+    mask = np.zeros(n, dtype=bool)
+    mask[rng(seed, SPLIT).permutation(n)[:n_valid]] = True
+    return mask
 
 
 def split_documents(docs: list[str], valid_fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """(train, valid), each in corpus order; valid holds round(fraction x n) documents (>= 1 if fraction > 0)."""
-    n = len(docs)
-    n_valid = 0 if valid_fraction == 0 or n < 2 else min(n - 1, max(1, round(valid_fraction * n)))
-    valid_ids = set(rng(seed, SPLIT).permutation(n)[:n_valid].tolist())
-    train = [x for i, x in enumerate(docs) if i not in valid_ids]
-    valid = [x for i, x in enumerate(docs) if i in valid_ids]
-    return train, valid
+    """(train, valid), each in corpus order (:func:`valid_mask`)."""
+    valid = valid_mask(len(docs), valid_fraction, seed)
+    return [x for x, v in zip(docs, valid) if not v], [x for x, v in zip(docs, valid) if v]
+
+
+def task_document_count(n_text: int, fraction: float, at_least: int = 0) -> int:
+    """How many arithmetic documents make up ``fraction`` of ``n_text`` + them (at least ``at_least``)."""
+    fraction = min(fraction, 0.99)
+    return max(at_least, round(n_text * fraction / (1 - fraction)))
+
+
+def iter_task_documents(
+    held: tasks.TaskSplit, n_text: int, fraction: float, rng: np.random.Generator, at_least: int = 0
+) -> Iterator[str]:
+    """:func:`task_documents` one at a time (the same documents: problems are drawn in the same order)."""
+    for _ in range(task_document_count(n_text, fraction, at_least)):
+        yield tasks.text_document(held.train_problems(TASK_PROBLEMS_PER_DOC, rng))
 
 
 def task_documents(
@@ -123,10 +189,76 @@ def task_documents(
 ) -> list[str]:
     """Plain-text arithmetic documents making up ``fraction`` of the training documents (held-out prompts
     excluded), at least ``at_least`` of them."""
-    fraction = min(fraction, 0.99)
-    n = max(at_least, round(n_text * fraction / (1 - fraction)))
-    problems = held.train_problems(n * TASK_PROBLEMS_PER_DOC, rng)
-    return [
-        tasks.text_document(problems[i : i + TASK_PROBLEMS_PER_DOC])
-        for i in range(0, len(problems), TASK_PROBLEMS_PER_DOC)
-    ]
+    return list(iter_task_documents(held, n_text, fraction, rng, at_least))
+
+
+@dataclass(frozen=True)
+class CorpusPlan:
+    """corpus=shakespeare|files as passes over its files: what one scan learnt (counts, files read, the split:
+    one byte per document) and the documents of each pass, streamed, so memory does not follow the corpus."""
+
+    d: DataConfig
+    files: list[Path]
+    key: str
+    valid: np.ndarray
+    """Per document of the corpus: held out for validation (:func:`valid_mask`)."""
+    corpus_bytes: int
+    sources: list[str]
+    held: tasks.TaskSplit
+
+    @property
+    def n_text(self) -> int:
+        return len(self.valid)
+
+    @property
+    def n_valid(self) -> int:
+        return int(self.valid.sum())
+
+    @property
+    def n_task(self) -> int:
+        return task_document_count(self.n_text - self.n_valid, self.d.task_mix_fraction)
+
+    @property
+    def n_train(self) -> int:
+        return self.n_text - self.n_valid + self.n_task
+
+    def _tasks(self) -> Iterator[str]:
+        d = self.d
+        return iter_task_documents(
+            self.held, self.n_text - self.n_valid, d.task_mix_fraction, rng(d.seed, MIX)
+        )
+
+    def train_documents(self) -> Iterator[str]:
+        """The training documents: the corpus's in order, then the generated task documents."""
+        for i, (_, doc) in enumerate(corpus_documents(self.d, self.files, self.key)):
+            if not self.valid[i]:
+                yield doc
+        yield from self._tasks()
+
+    def documents_in(self, ranges: dict[str, tuple[int, int]]) -> Iterator[tuple[str, str]]:
+        """(split, document) of the documents whose place in their split ("train": the corpus's, then the
+        task documents; "valid") falls in ``ranges[split]`` = [lo, hi), in that order; stops past every range."""
+        seen = {"train": 0, "valid": 0}
+        for i, (_, doc) in enumerate(corpus_documents(self.d, self.files, self.key)):
+            if all(seen[s] >= hi for s, (_, hi) in ranges.items()):
+                return
+            split = "valid" if self.valid[i] else "train"
+            lo, hi = ranges[split]
+            if lo <= seen[split] < hi:
+                yield split, doc
+            seen[split] += 1
+        lo, hi = ranges["train"]
+        for j, doc in enumerate(self._tasks(), start=seen["train"]):
+            if j >= hi:
+                return
+            if j >= lo:
+                yield "train", doc
+
+
+def plan_corpus(d: DataConfig, scan: Callable[[Callable[[], Any]], Any]) -> CorpusPlan:
+    """The corpus's plan; ``scan`` runs the one full pass (the ranks' ``World.on_root``: rank 0 reads, every
+    rank gets the result)."""
+    files, key = corpus_files(d)
+    n, size, used = scan(lambda: scan_corpus(d, files, key))
+    held = tasks.make_split(d.num_eval_examples, d.max_operand, rng(d.seed, HELD_OUT), d.task)
+    return CorpusPlan(d, files, key, valid_mask(n, d.valid_fraction, d.seed), size, used, held)

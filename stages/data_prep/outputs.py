@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from engine.data.datasets import MANIFEST, Tokenizer, sha256_file
+from engine.data.pieces import bounded_batches
 from pipeline.records.files import atomic_write_text as _atomic_write
 from pipeline.schema.config import DataConfig
 from pipeline.schema.data_identity import tokenizer_record
@@ -18,27 +20,33 @@ from stages.data_prep.chat_files import CHAT_FILES
 from stages.data_prep.corpus import EVAL_PREF, PREF, RL, SFT, SFT_NOISE, rng
 from stages.data_prep.tokenizer import HF_TOKENIZER_FILES, stop_token_ids
 
-ENCODE_BATCH = 512
-"""Documents per tokenizer call."""
 
-
-def write_shard(tokenizer: Tokenizer, docs: list[str], prefix: Path, dtype: type[np.number]) -> int:
-    """Tokenize ``docs`` into indexed dataset ``prefix``.bin/.idx (one entry per document, eod appended)."""
+def write_shards(
+    tokenizer: Tokenizer, items: Iterable[tuple[str, str]], prefixes: dict[str, Path], dtype: type[np.number]
+) -> dict[str, int]:
+    """Tokenize (split, document) items into one indexed dataset per split, ``prefixes[split]``.bin/.idx (one
+    entry per document, eod appended), a bounded batch at a time (engine.data.pieces); tokens per split."""
     from engine.data.indexed import IndexedWriter  # megatron's format without importing megatron.core
 
-    builder = IndexedWriter(f"{prefix}.bin", dtype=dtype)
-    total = 0
-    for i in range(0, len(docs), ENCODE_BATCH):
-        for ids in tokenizer.encode_batch(docs[i : i + ENCODE_BATCH]):
-            ids.append(tokenizer.eod)
-            builder.add_document(ids)
-            total += len(ids)
-    builder.finalize(f"{prefix}.idx")
+    builders = {s: IndexedWriter(f"{p}.bin", dtype=dtype) for s, p in prefixes.items()}
+    total = dict.fromkeys(prefixes, 0)
+    for batch in bounded_batches(items, lambda item: len(item[1])):
+        for (split, _), ids in zip(batch, tokenizer.encode_arrays([doc for _, doc in batch])):
+            builders[split].add_document(np.append(ids, tokenizer.eod))
+            total[split] += len(ids) + 1
+    for s, p in prefixes.items():
+        builders[s].finalize(f"{p}.idx")
     return total
 
 
+def write_shard(tokenizer: Tokenizer, docs: Iterable[str], prefix: Path, dtype: type[np.number]) -> int:
+    """Tokenize ``docs`` into indexed dataset ``prefix``.bin/.idx (one entry per document, eod appended)."""
+    return write_shards(tokenizer, (("", doc) for doc in docs), {"": prefix}, dtype)[""]
+
+
 def merge_shards(shards: list[Path], prefix: Path, dtype: type[np.number]) -> None:
-    """Concatenate shard datasets in order into ``prefix``.bin/.idx (temp names, then renamed)."""
+    """Concatenate shard datasets in order into ``prefix``.bin/.idx (temp names, then renamed), streamed: a
+    block at a time (engine.data.indexed), whatever the shards' sizes."""
     from engine.data.indexed import IndexedWriter
 
     tmp = prefix.with_name(f".{prefix.name}.tmp")

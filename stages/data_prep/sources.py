@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from pipeline.schema.config import PipelineConfig
 from pipeline.schema.data_needs import check_prepared
 from stages import tasks
 from stages.data_prep.chat_files import write_chat_files
-from stages.data_prep.corpus import HELD_OUT, MIX, rng, task_documents
+from stages.data_prep.corpus import HELD_OUT, MIX, iter_task_documents, rng, task_document_count
 from stages.data_prep.outputs import write_manifest, write_shard, write_task_files
 from stages.data_prep.tokenizer import (
     build_tokenizer,
@@ -50,12 +51,17 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: World) -> dict[str, A
         _check_token_sources(cfg, fmts)
     held = tasks.make_split(d.num_eval_examples, d.max_operand, rng(d.seed, HELD_OUT), d.task)
 
+    def training_text() -> Iterator[str]:  # streamed to the trainer, never held
+        n = 0
+        for doc in ds.sample_documents(units, d.sources, d, int(d.tokenizer_sample_mb * 1e6)):
+            n += 1
+            yield doc
+        yield from iter_task_documents(held, n, d.task_mix_fraction, rng(d.seed, MIX))
+
     def tokenizer_json() -> str:
         if d.tokenizer_path is not None:
             return tokenizer_text(d, [])
-        sample = list(ds.sample_documents(units, d.sources, d, int(d.tokenizer_sample_mb * 1e6)))
-        sample += task_documents(held, len(sample), d.task_mix_fraction, rng(d.seed, MIX))
-        return str(build_tokenizer(d, sample).to_str())
+        return str(build_tokenizer(d, training_text()).to_str())
 
     tok_json = world.on_root(tokenizer_json)
     tokenizer = tokenizer_from_str(tok_json, d)
@@ -92,8 +98,8 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: World) -> dict[str, A
         return {"rank": world.rank}
     try:
         t = time.perf_counter()
-        result = _merge_sources(cfg, out, scratch, units, fmts, held, tokenizer, dtype, tok_json)
-        timings["merge_s"] = time.perf_counter() - t
+        result = _merge_sources(cfg, out, scratch, units, fmts, held, tokenizer, dtype, tok_json, timings)
+        timings["merge_s"] = time.perf_counter() - t  # all rank 0 writes, task_mix_s included
     finally:
         world.barrier()
     shutil.rmtree(scratch, ignore_errors=True)
@@ -112,13 +118,14 @@ def _merge_sources(
     tokenizer: Tokenizer,
     dtype: type[np.number],
     tok_json: str,
+    timings: dict[str, float],
 ) -> dict[str, Any]:
     from engine.data import sources as ds
 
     d = cfg.data
     names = [ds.source_name(s, i) for i, s in enumerate(d.sources)]
     per = _source_counts(scratch, units, names)
-    seen: set[bytes] | None = set() if d.dedup else None
+    seen = ds.SeenHashes() if d.dedup else None
     blend: list[dict[str, Any]] = []
     text_files: list[str] = []
     tokens: dict[str, int] = {}
@@ -148,8 +155,10 @@ def _merge_sources(
         text_files.append(f"text_{split}")
         for j, k in dups.items():
             per[names[j]]["duplicates"] += k
+    t = time.perf_counter()
     task_docs = _task_mix(cfg, out, held, train_docs, tokenizer, dtype, tokens)
-    if task_docs:
+    timings["task_mix_s"] = time.perf_counter() - t  # generated and tokenized on rank 0 alone
+    if task_docs > 0:
         text_files.append("text_train-task")
         blend.append({"prefix": "text_train-task", "weight": 1.0 - text_weight, "source": "task"})
     for name, c in per.items():
@@ -163,8 +172,8 @@ def _merge_sources(
     counts.update(write_chat_files(out, d, tokenizer))
     text_tokens = sum(int(c.get("tokens_train", 0)) for c in per.values())
     counts.update(
-        documents_train=train_docs + len(task_docs),
-        documents_task=len(task_docs),
+        documents_train=train_docs + task_docs,
+        documents_task=task_docs,
         tokens_train=text_tokens + tokens.get("task", 0),
         tokens_train_text=text_tokens,
         tokens_valid=tokens["valid"],
@@ -200,19 +209,19 @@ def _task_mix(
     tokenizer: Tokenizer,
     dtype: type[np.number],
     tokens: dict[str, int],
-) -> list[str]:
+) -> int:
     """The generated task's own dataset in the blend (text_train-task), weighted task_mix_fraction; at least
-    one document. Its token count goes into ``tokens["task"]``."""
+    one document, generated as they are tokenized. Returns their number; the tokens go into ``tokens["task"]``."""
     d = cfg.data
     if d.task_mix_fraction <= 0:
-        return []
-    task_docs = task_documents(held, train_docs, d.task_mix_fraction, rng(d.seed, MIX), at_least=1)
-    if task_docs:
-        tmp = out / ".text_train-task.tmp"
-        tokens["task"] = write_shard(tokenizer, task_docs, tmp, dtype)
-        for ext in (".bin", ".idx"):
-            os.replace(f"{tmp}{ext}", out / f"text_train-task{ext}")
-    return task_docs
+        return 0
+    n = task_document_count(train_docs, d.task_mix_fraction, at_least=1)
+    task_docs = iter_task_documents(held, train_docs, d.task_mix_fraction, rng(d.seed, MIX), at_least=1)
+    tmp = out / ".text_train-task.tmp"
+    tokens["task"] = write_shard(tokenizer, task_docs, tmp, dtype)
+    for ext in (".bin", ".idx"):
+        os.replace(f"{tmp}{ext}", out / f"text_train-task{ext}")
+    return n
 
 
 def _source_counts(scratch: Path, units: list[Any], names: list[str]) -> dict[str, dict[str, Any]]:

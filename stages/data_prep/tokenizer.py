@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,14 @@ from pipeline.records.files import atomic_write_text as _atomic_write
 from pipeline.schema.config import DataConfig
 
 
-def train_tokenizer(docs: list[str], vocab_size: int) -> Any:
-    """A byte-level BPE trained on ``docs``: special tokens first, digits one per token."""
+def train_tokenizer(docs: Iterable[str], vocab_size: int) -> Any:
+    """A byte-level BPE trained on ``docs`` (any iterable: read once, never held): special tokens first, digits
+    one per token. Long documents go in pieces cut where the pre-tokenizer splits anyway (engine.data.pieces),
+    so the trainer counts the same words and memory does not follow a document's size."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from engine.data.pieces import text_pieces
 
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.Sequence(
@@ -31,7 +36,7 @@ def train_tokenizer(docs: list[str], vocab_size: int) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    hf.train_from_iterator(docs, trainer=trainer, length=len(docs))
+    hf.train_from_iterator((p for doc in docs for p in text_pieces(doc)), trainer=trainer)
     return hf
 
 
@@ -51,7 +56,7 @@ HF_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_
 """Copied next to tokenizer.json from a Hugging Face tokenizer directory (then listed in the manifest)."""
 
 
-def tokenizer_text(d: DataConfig, train_docs: list[str]) -> str:
+def tokenizer_text(d: DataConfig, train_docs: Iterable[str]) -> str:
     """The run's tokenizer.json text: a Hugging Face tokenizer's file as it is (byte for byte), else
     :func:`build_tokenizer`'s."""
     folder = hf_tokenizer_dir(d)
@@ -69,7 +74,7 @@ def copy_hf_tokenizer_files(d: DataConfig, out: Path) -> None:
             (out / name).unlink()
 
 
-def build_tokenizer(d: DataConfig, train_docs: list[str]) -> Any:
+def build_tokenizer(d: DataConfig, train_docs: Iterable[str]) -> Any:
     """Train one, or load ``data.tokenizer_path``: a Hugging Face tokenizer directory (hf_tokenizer_dir) is
     used unchanged; a bare tokenizer.json or SentencePiece model gets any missing special token appended."""
     if d.tokenizer_path is None:

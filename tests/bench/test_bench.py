@@ -37,6 +37,19 @@ def test_plain_gpt_has_the_engine_models_parameter_count() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_data_prep_bench_prints_memory_per_rank_and_the_scaling() -> None:
+    args = ["--sizes", "0.2", "0.4", "--scaling-mb", "0.4", "--single-mb", "0.2", "--shard-mb", "0.1"]
+    r = run_bench("bench_data_prep", *args)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "peak RSS per rank (largest rank) at 0.2 / 0.4 MB" in r.stdout and "largest/smallest" in r.stdout
+    assert "one 0.2 MB document on one line, 1 rank: peak RSS" in r.stdout
+    assert (
+        "scaling 1 -> 2 ranks" in r.stdout and "serial (rank 0 alone" in r.stdout and "task mix" in r.stdout
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_cpu_bench_prints_the_single_rank_ratio(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     args = ["--steps", "2", "--warmup", "1", "--rounds", "1", "--no-dist", "--json", str(out)]
