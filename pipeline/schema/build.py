@@ -181,6 +181,12 @@ def _check_ignored(pc: PipelineConfig) -> None:
             value = getattr(getattr(pc, name), k)
             if value != getattr(train_default, k):
                 fail(f"{name}.{k}", value, f"only rlhf reads it (set rlhf.{k}); leave it at its default")
+    if pc.pretrain.max_truncated_fraction != train_default.max_truncated_fraction:
+        fail(
+            "pretrain.max_truncated_fraction",
+            pc.pretrain.max_truncated_fraction,
+            "pretrain cuts nothing (its samples are windows of the token stream); leave it at its default",
+        )
     if pc.pretrain.peft.method != "none":
         fail(
             "pretrain.peft.method",

@@ -1,7 +1,8 @@
 """Tiny random Hugging Face models for the conversion tests, built locally (no hub access).
 
 ``tokenizer="llama3"``: a Llama-3-style tokenizer (its own special tokens and chat template, none of the
-pipeline's role tokens) instead of the pipeline-style one. ``llama3`` : Llama-3 style: GQA (4 heads, 2 KV heads), RMSNorm, SwiGLU, RoPE with llama3 scaling
+pipeline's role tokens) instead of the pipeline-style one; ``tokenizer="chatml"``: a Qwen2-Instruct-style one
+(ChatML template with a default system turn, ``<|im_end|>`` as eos, none of the pipeline's role tokens). ``llama3`` : Llama-3 style: GQA (4 heads, 2 KV heads), RMSNorm, SwiGLU, RoPE with llama3 scaling
 (factor 32), untied embeddings. ``qwen2``: Qwen2 style: query/key/value biases, tied embeddings, a
 vocabulary that TP=2 must pad. Both fp32, hidden 64, 2 layers.
 """
@@ -104,6 +105,46 @@ def make_llama3_tokenizer(out: Path, vocab_size: int = 320) -> int:
     return int(tok.get_vocab_size(with_added_tokens=True))
 
 
+CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""Qwen2-Instruct's chat template (ChatML; a default system turn when the conversation has none)."""
+
+
+def make_chatml_tokenizer(out: Path, vocab_size: int = 320) -> int:
+    """A Qwen2-Instruct-style tokenizer: byte-level BPE with ChatML's special tokens (no pipeline role token),
+    eos ``<|im_end|>`` (end of turn), pad ``<|endoftext|>``, no bos, and CHATML_TEMPLATE."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = [
+        f"What comes after {i}? {i + 1}. You are a helpful assistant, said the system." for i in range(300)
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=CHATML_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML_TEMPLATE
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    return int(tok.get_vocab_size(with_added_tokens=True))
+
+
+TOKENIZERS = {"llama3": make_llama3_tokenizer, "chatml": make_chatml_tokenizer}
+"""``make(tokenizer=...)``: the published-style tokenizers (else the pipeline-style ``make_tokenizer``)."""
+
+
 def make(
     kind: str, out: Path, seed: int = 0, vocab_size: int | None = None, tokenizer: str = "pipeline"
 ) -> Path:
@@ -113,16 +154,20 @@ def make(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tok_size = make_llama3_tokenizer(out) if tokenizer == "llama3" else make_tokenizer(out)
+    tok_size = TOKENIZERS.get(tokenizer, make_tokenizer)(out)
     special: dict[str, Any] = {}
-    if tokenizer == "llama3":
+    if tokenizer in TOKENIZERS:
         from tokenizers import Tokenizer
 
         t = Tokenizer.from_file(str(out / "tokenizer.json"))
-        special = {
-            "bos_token_id": t.token_to_id("<|begin_of_text|>"),
-            "eos_token_id": [t.token_to_id("<|end_of_text|>"), t.token_to_id("<|eot_id|>")],
-        }
+        special = (
+            {
+                "bos_token_id": t.token_to_id("<|begin_of_text|>"),
+                "eos_token_id": [t.token_to_id("<|end_of_text|>"), t.token_to_id("<|eot_id|>")],
+            }
+            if tokenizer == "llama3"
+            else {"eos_token_id": [t.token_to_id("<|im_end|>"), t.token_to_id("<|endoftext|>")]}
+        )
     torch.manual_seed(seed)
     cls: Any
     if kind == "llama3":
