@@ -196,3 +196,14 @@ def test_valid_source_of_an_empty_dataset_is_none(tok: Tokenizer, tmp_path: Path
     data_prep.write_shard(tok, [], tmp_path / "shard", np.uint16)
     data_prep.merge_shards([tmp_path / "shard"], tmp_path / "text_valid", np.uint16)
     assert valid_source(tmp_path / "text_valid", tok, 16, seed=0) is None
+
+
+def test_max_truncated_fraction_has_a_domain_and_pretrain_does_not_read_it() -> None:
+    from pipeline.cli.compose import load
+    from pipeline.schema.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^sft\.max_truncated_fraction=1\.5: must be .* <= 1"):
+        load(["sft.max_truncated_fraction=1.5"], inputs=False)
+    with pytest.raises(ConfigError, match=r"^pretrain\.max_truncated_fraction=0\.5: pretrain cuts nothing"):
+        load(["pretrain.max_truncated_fraction=0.5"], inputs=False)
+    assert load(["rlhf.max_truncated_fraction=0.5"], inputs=False).rlhf.max_truncated_fraction == 0.5
