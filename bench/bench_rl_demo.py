@@ -43,7 +43,8 @@ def score(run: Path, models: list[str], samples: int, temperature: float, thread
 
     from engine.checkpoint.latest import find_latest
     from engine.checkpoint.load import load_weights
-    from engine.data.datasets import load_tokenizer, read_jsonl
+    from engine.data.chat import task_prompts
+    from engine.data.datasets import load_tokenizer
     from engine.models.generate import SamplingParams, generate
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
@@ -51,17 +52,16 @@ def score(run: Path, models: list[str], samples: int, temperature: float, thread
     from stages import tasks
 
     data = run / "stages" / "data_prep"
-    recs = read_jsonl(data / "eval_task.jsonl", ("prompt", "answer"))
-    problems = [tasks.parse_prompt(r["prompt"]) for r in recs]
-    noisy = [tasks.systematic_error(p) is not None for p in problems]
     cfg = load_trials(json.loads((run / "bench_overrides.json").read_text()), False)[0][1]
     out: dict[str, Any] = {}
     D.init(1, 1, seed=0, threads=threads)
     try:
         tok = load_tokenizer(data / "tokenizer.json")
+        recs = task_prompts(data, "eval_task", tok)  # rendered with the run's chat template, as eval does
+        noisy = [tasks.systematic_error(tasks.parse_prompt(r["question"])) is not None for r in recs]
         chunks = build_model(cfg.model, cfg.eval.parallel, tok.vocab_size)
         chunks[0].eval()
-        prompts = [tok.prompt_ids(r["prompt"]) for r in recs]
+        prompts = [tok.encode(r["prompt"]) for r in recs]
         for m in models:
             ckpt = find_latest(run / "stages" / m / "checkpoints", collective=False)
             if ckpt is None:

@@ -23,6 +23,7 @@ from pipeline.schema.graph import weights_upstream
 
 if TYPE_CHECKING:
     from engine.checkpoint.manager import Checkpointer
+    from engine.data.truncation import Truncation
     from engine.runtime.fault_injection import FaultInjector
     from engine.train.step import Step
     from engine.train.trainer import Trainer
@@ -129,6 +130,8 @@ class BuiltStage:
     """The stage loaded its starting weights itself (``init_weights``): a fresh start skips init_from."""
     marks: dict[str, float]
     """Wall times at the end of each start-up part (``startup_record``)."""
+    truncation: Truncation | None = None
+    """What cutting the stage's examples at its sequence length cost (None: nothing is cut)."""
 
 
 def train_stage(
@@ -161,11 +164,13 @@ def train_stage(
             summary = trainer.fit()
         latest = summary["checkpoint"] or find_latest(ctx.checkpoint_dir)
         init_from = built.checkpointer.init_from
+        cut = built.truncation
         return {
             **summary,
             "checkpoint": str(latest) if latest else None,
             "params_per_rank": num_parameters(trainer.chunks),
             "init_from": str(init_from) if init_from else None,
+            **({"truncation": cut.as_dict()} if cut else {}),
         }
 
 
@@ -184,6 +189,7 @@ def build_stage(
     from engine.callbacks.setup import flops_per_step, peak_tflops, stage_callbacks
     from engine.checkpoint.integrity import set_verify_mode
     from engine.data.datasets import load_tokenizer
+    from engine.data.truncation import stage_limit
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
     from engine.runtime.fault_injection import FaultInjector
@@ -216,7 +222,11 @@ def build_stage(
         train_unit, (train_source, valid_source) = None, sources(tokenizer, st, seq_length, chunks, ckpt)
     else:
         raise ValueError("train_stage: give sources or unit")
+    cut = train_unit.truncation if train_unit is not None else train_source.truncation
     metrics = MetricsWriter(ctx.metrics_path, enabled=D.is_rank0())
+    if cut is not None:  # the console line (pipeline.records.progress prints info messages)
+        line = stage_limit(ctx.stage, st.max_truncated_fraction).describe(cut)
+        metrics.write({"kind": "info", "message": line, "truncation": cut.as_dict()})
     callbacks = stage_callbacks(cfg, ctx, st, metrics, D.rank(), D.world_size())
     cleanup.callback(callbacks.close)
     flops = flops_per_step(cfg, st, seq_length, tokenizer.vocab_size, step.sequences_per_sample)
@@ -242,7 +252,7 @@ def build_stage(
         services=services,
     )
     marks["data"] = time.time()
-    return BuiltStage(trainer, ckpt, metrics, weights_loaded, marks)
+    return BuiltStage(trainer, ckpt, metrics, weights_loaded, marks, cut)
 
 
 def _checkpointer(

@@ -6,18 +6,21 @@ under ``<stage>/checkpoints`` is loaded (weights only) into one model built from
 
 - perplexity: ``exp(mean next-token NLL)`` over up to ``eval.perplexity_batches x eval.batch_size`` samples
   of ``text_valid`` (megatron GPTDataset, ``model.seq_length`` tokens each);
-- task accuracy: greedy generation (no KV cache: the forward pass is re-run on the growing sequences)
-  from ``<|user|>{prompt}<|assistant|>`` until eod or ``eval.max_new_tokens``, on the first
-  ``eval.num_task_examples`` lines of ``eval_task.jsonl``, scored by ``stages.tasks.is_correct``;
-- preference accuracy: the fraction of ``eval_pref.jsonl`` pairs where the summed log-prob of the chosen
-  response (and its eod) exceeds the rejected one's.
+- task accuracy: greedy generation (KV cache) from the prompt rendered with the run's chat template up to
+  its generation prompt (engine.data.chat.task_prompts) until a stop token (data_prep's ``stop_token_ids``)
+  or ``eval.max_new_tokens``, on the first ``eval.num_task_examples`` lines of ``eval_task.jsonl``, scored
+  by ``stages.tasks.is_correct``;
+- preference accuracy: the fraction of ``eval_pref.jsonl`` pairs (as the run renders them) where the summed
+  log-prob of the chosen reply (and its closing token) exceeds the rejected one's; a pair cut at
+  ``model.seq_length`` so short that a reply lost every token is left out (``pref_pairs_left_out``).
 
 ``results.json`` (written atomically to ``ctx.out_dir``), format 1::
 
     {
       "format": 1,
       "settings": {"seq_length", "batch_size", "perplexity_batches", "num_task_examples", "max_new_tokens"},
-      "data": {"dir", "task", "max_operand", "valid_tokens", "task_examples", "pref_pairs"},
+      "data": {"dir", "task", "max_operand", "valid_tokens", "task_examples", "task_prompts_cut" (prompts
+               cut on the left to fit model.seq_length), "pref_pairs", "pref_pairs_left_out"},
       "models": {
         "<stage>": {
           "checkpoint": "<path of iter_NNNNNNN>", "iteration": int,
@@ -118,7 +121,9 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
             "max_operand": manifest["task"]["max_operand"],
             "valid_tokens": sets["valid_tokens"],
             "task_examples": len(sets["task"]),
+            "task_prompts_cut": sets["task_prompts_cut"],
             "pref_pairs": len(sets["pref"]),
+            "pref_pairs_left_out": sets["pref_pairs_left_out"],
         },
         "models": results,
         "skipped": skipped,
@@ -194,31 +199,27 @@ def _eval_hf(
 
 
 def _load_sets(data: Path, tok: Any, cfg: PipelineConfig) -> dict[str, Any]:
-    from engine.data.datasets import preference_source, read_jsonl, read_manifest, valid_source
+    """The held-out sets, every prompt rendered with the run's chat template (engine.data.chat)."""
+    from engine.data.chat import held_out_pairs, task_prompts
+    from engine.data.datasets import read_manifest, stacked_source, valid_source
 
     ev, seq = cfg.eval, cfg.model.seq_length
     valid = valid_source(data / "text_valid", tok, seq, cfg.data.seed)  # None: no validation text
     n_valid = 0 if valid is None else min(len(valid), ev.perplexity_batches * ev.batch_size)
     valid_items = [valid[i] for i in range(n_valid)] if valid is not None else []
     manifest = read_manifest(data, verify=False)
-    # a run on a Hugging Face tokenizer: held-out sets rendered with its chat template by data_prep
-    task_file = manifest.get("eval_task_file", "eval_task.jsonl")
-    task: list[dict[str, Any]] = read_jsonl(data / task_file, ("prompt", "answer"))[: ev.num_task_examples]
-    for r in task:
-        r["rendered"] = "eval_task_file" in manifest
-    if "eval_pref_file" in manifest:
-        from engine.data.chat import chat_preference_source
-
-        pref = chat_preference_source(data / manifest["eval_pref_file"], tok, seq, cfg.data.seed)
-    else:
-        pref = preference_source(data / "eval_pref.jsonl", tok, seq, cfg.data.seed)
-    pref_items = [pref[i] for i in range(len(pref))]
+    task = task_prompts(data, "eval_task", tok)[: ev.num_task_examples]
+    room = seq - ev.max_new_tokens  # a longer prompt is cut on the left (generate)
+    rows, cut = held_out_pairs(data, tok, seq)  # pairs left without a reply token are left out
+    pref = stacked_source(rows, cfg.data.seed, "eval pairs") if rows else None  # its seeded order
     return {
         "stop_tokens": manifest.get("stop_token_ids"),
         "valid": valid_items,
         "valid_tokens": int(sum(x["loss_mask"].sum() for x in valid_items)),
         "task": task,
-        "pref": pref_items,
+        "task_prompts_cut": sum(len(ids) > room for ids in tok.encode_batch([r["prompt"] for r in task])),
+        "pref": [pref[i] for i in range(len(pref))] if pref is not None else [],
+        "pref_pairs_left_out": cut.emptied,
     }
 
 
@@ -255,7 +256,6 @@ def evaluate(model: Any, tok: Any, sets: dict[str, Any], cfg: PipelineConfig) ->
                 [r["prompt"] for r in recs],
                 cfg.eval.max_new_tokens,
                 cfg.model.seq_length,
-                rendered=bool(recs[0].get("rendered")),
                 stop_tokens=sets.get("stop_tokens"),
             )
             samples += [
@@ -304,11 +304,10 @@ def generate(
     prompts: list[str],
     max_new_tokens: int,
     seq_length: int,
-    rendered: bool = False,
     stop_tokens: list[int] | None = None,
 ) -> list[str]:
-    """Greedy continuations of ``<|user|>{prompt}<|assistant|>`` (``rendered``: of the prompt text as it is,
-    already rendered with the run's chat template) up to a stop token (default eod; not included) or
+    """Greedy continuations of ``prompts`` (rendered with the run's chat template up to the generation prompt;
+    cut on the left to leave room for ``max_new_tokens``) up to a stop token (default eod; not included) or
     ``max_new_tokens``.
 
     Batched, with the KV cache, on the model's device: the engine's generator (engine/models/generate.py).
@@ -316,7 +315,7 @@ def generate(
     from engine.models.generate import SamplingParams
     from engine.models.generate import generate as engine_generate
 
-    ids = [tok.encode(p) if rendered else tok.prompt_ids(p) for p in prompts]
+    ids = [tok.encode(p) for p in prompts]
     seqs = [x[-(seq_length - max_new_tokens) :] for x in ids]
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_tokens=tuple(stop_tokens or (tok.eod,)))
     out = engine_generate([model], seqs, params, vocab_size=tok.vocab_size, pad_id=tok.pad)

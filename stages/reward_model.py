@@ -2,7 +2,8 @@
 
 Starts from the SFT model (``reward_model.init_from: auto``; the head, which SFT has not, starts as drawn by its
 global name), trains on the same pairs DPO uses (users' ``data.pref_paths`` when given, else the generated
-``pref_train.jsonl``) with ``engine.train.steps.RewardStep``, and validates on the held-out ``eval_pref.jsonl``
+``pref_train.jsonl``; rendered with the run's chat template, engine.data.chat) with
+``engine.train.steps.RewardStep``, and validates on the held-out ``eval_pref.jsonl`` as the run renders it
 (``valid`` lines: loss and accuracy). Metrics per step: loss, accuracy, margin (r(chosen) - r(rejected)).
 The final checkpoint is what ``engine.rl.frozen_reward.RewardModel`` loads for RL and eval scores.
 """
@@ -29,12 +30,13 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         return True
 
     def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
-        from engine.data.chat import train_preferences
-        from engine.data.datasets import preference_source
+        from engine.data.chat import held_out_preferences, train_preferences
+        from engine.data.truncation import stage_limit
 
         d = data_dir(ctx)
-        held_out = preference_source(d / "eval_pref.jsonl", tokenizer, seq_length, st.seed)
-        return train_preferences(d, tokenizer, seq_length, st.seed), held_out
+        limit = stage_limit("reward_model", st.max_truncated_fraction)
+        train = train_preferences(d, tokenizer, seq_length, st.seed, limit)
+        return train, held_out_preferences(d, tokenizer, seq_length, st.seed, limit)
 
     return train_stage(cfg, ctx, step=make_step("reward"), sources=sources, init_weights=init_weights)
 

@@ -3,7 +3,7 @@ the loop (each declared in pipeline/schema/rl.py, implemented by its engine.rl m
 
 Every algorithm runs on the engine's one loop through a training unit (engine.train.units); this stage only
 builds the inputs the algorithm's declaration says it reads (``RLInputs``): ``prompts`` (the task's prompt
-stream, each prompt's answer and the task checker), ``reward`` (the reward_model stage's model when
+stream rendered with the run's chat template, each prompt's answer and the task checker), ``reward`` (the reward_model stage's model when
 ``rlhf.reward`` is model or both); ``preferences`` are read by the algorithm from data_prep's output.
 """
 
@@ -40,31 +40,20 @@ def rl_inputs(cfg: PipelineConfig, ctx: StageContext, env: Any) -> RLInputs:
 
     reads = algorithm(cfg.rlhf.algorithm).reads
     d = data_dir(ctx)
-    prompts, answers = task_prompts(d) if "prompts" in reads else ([], [])
+    prompts, answers = task_prompts(d, env.tokenizer) if "prompts" in reads else ([], [])
     rm = _reward_model(cfg, ctx, env) if reads_reward_model(cfg.rlhf.algorithm, cfg.rlhf.reward) else None
     check = tasks.is_correct if "prompts" in reads else None
     return RLInputs(d, prompts, answers, check, rm)
 
 
-def task_prompts(d: Path) -> tuple[list[str], list[str]]:
-    """Online RL's prompt stream and each prompt's right answer: data_prep's ``rl_train.jsonl`` ({prompt,
-    answer}) when it exists; else the prompts of ``sft_train.jsonl`` with the task checker's answer
-    (stages.tasks.parse_prompt; the SFT response only for a prompt the task cannot parse)."""
-    from engine.data.datasets import read_jsonl
-    from stages import tasks
+def task_prompts(d: Path, tokenizer: Any) -> tuple[list[str], list[str]]:
+    """Online RL's prompt stream, each prompt rendered with the run's chat template up to its generation prompt
+    (engine.data.chat.task_prompts: data_prep's ``rl_chat.jsonl``, or ``rl_train.jsonl`` with the project
+    template), and each prompt's right answer (the task checker's)."""
+    from engine.data.chat import task_prompts as rendered
 
-    rl_file = d / "rl_train.jsonl"
-    if rl_file.is_file():
-        recs = read_jsonl(rl_file, ("prompt", "answer"))
-        return [r["prompt"] for r in recs], [r["answer"] for r in recs]
-    recs = read_jsonl(d / "sft_train.jsonl", ("prompt", "response"))
-    answers = []
-    for r in recs:
-        try:
-            answers.append(tasks.parse_prompt(r["prompt"]).answer)
-        except ValueError:
-            answers.append(r["response"])
-    return [r["prompt"] for r in recs], answers
+    recs = rendered(d, "rl", tokenizer)
+    return [r["prompt"] for r in recs], [r["answer"] for r in recs]
 
 
 def _reward_model(cfg: PipelineConfig, ctx: StageContext, env: Any) -> Any:

@@ -1,4 +1,5 @@
-"""Supervised fine-tuning: loss on response tokens of the templated (prompt, response) examples."""
+"""Supervised fine-tuning: loss on the assistant's tokens of the chat examples, rendered with the run's chat
+template (engine.data.chat: users' data.sft_paths, else the generated task's examples)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,13 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     from engine.train.steps import make_step
 
     def sources(tokenizer: Any, st: TrainStage, seq_length: int, chunks: list, ckpt: Any) -> tuple[Any, Any]:
-        from engine.data.datasets import read_manifest, sft_source, valid_source
+        from engine.data.chat import train_sft
+        from engine.data.datasets import valid_source
+        from engine.data.truncation import stage_limit
 
         d = data_dir(ctx)
-        chat_file = read_manifest(d, verify=False).get("sft_file")  # users' chat data (data.sft_paths)
-        if chat_file:
-            from engine.data.chat import chat_sft_source
-
-            train = chat_sft_source(d / chat_file, tokenizer, seq_length, st.seed)
-        else:
-            train = sft_source(d / "sft_train.jsonl", tokenizer, seq_length, st.seed, pack=st.pack_examples)
+        limit = stage_limit("sft", st.max_truncated_fraction)
+        train = train_sft(d, tokenizer, seq_length, st.seed, st.pack_examples, limit)
         return train, valid_source(d / "text_valid", tokenizer, seq_length, st.seed)  # watch forgetting
 
     return train_stage(cfg, ctx, step=make_step("sft"), sources=sources)

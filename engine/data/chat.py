@@ -1,4 +1,13 @@
-"""Users' SFT and preference data: chat records rendered with a chat template, loss on assistant turns only.
+"""Chat data, the one way every stage builds its prompts: conversations rendered with the run's chat template,
+loss on assistant turns only.
+
+Every prompt a model sees (SFT and preference examples, the reward model's pairs, online RL's rollout
+prompts, eval's prompts) is the run's template's rendering, as transformers' ``apply_chat_template`` renders
+it, tokenized without added special tokens. With ``data.chat_template`` other than ``project`` data_prep
+renders every chat set into ``*_chat.jsonl`` files (named in its manifest); with ``project`` the stages
+render the generated files with :data:`PROJECT_TEMPLATE` when they read them (the same ``ChatTemplate``).
+The readers here choose between the two (``train_sft``, ``train_preferences``, ``held_out_pairs``,
+``task_prompts``), so no stage builds a prompt of its own.
 
 Records (JSON lines, ``.jsonl.gz``/``.jsonl.zst``, or Parquet):
 
@@ -6,11 +15,12 @@ Records (JSON lines, ``.jsonl.gz``/``.jsonl.zst``, or Parquet):
   system message optional) or ``{"prompt": str, "response": str}`` (= one user and one assistant turn).
 - Preference: ``{"prompt", "chosen", "rejected"}``; each a string or a message list (``prompt``: the
   conversation so far; ``chosen``/``rejected``: the assistant reply, alone or after the prompt's messages).
+- Task prompts: ``{"prompt", "answer"}`` (the generated task's ``rl_train.jsonl``, ``eval_task.jsonl``).
 
 Templates are Jinja, rendered as Hugging Face renders ``chat_template`` (an immutable sandboxed
 environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``tojson``, variables
 ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``): ``data.chat_template`` is
-``project`` (:data:`PROJECT_TEMPLATE`: ``<|user|>...<|assistant|>...<|endoftext|>``, the format of the
+``project`` (:data:`PROJECT_TEMPLATE`: ``<|user|>...<|assistant|>...<eos>``, the format of the
 generated task), ``tokenizer`` (the ``chat_template`` of the HF tokenizer directory ``data.tokenizer_path``)
 or a ``.jinja`` file.
 
@@ -18,6 +28,9 @@ Loss masks: a conversation is rendered turn by turn. For each assistant turn, th
 generation prompt is context (no loss) and what the template adds for the turn itself is trained on; so
 loss falls exactly on assistant turns (with whatever closing token the template writes after them). A
 template whose rendering of a longer conversation does not extend the shorter one is refused.
+
+Truncation: examples are cut at ``seq_length + 1`` tokens; one left without a trained token is left out and
+counted, and the stage's limit (engine.data.truncation) decides whether it may start.
 """
 
 from __future__ import annotations
@@ -29,16 +42,19 @@ from typing import Any
 
 import numpy as np
 
+from engine.data.truncation import Truncation, TruncationLimit
+
 PROJECT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
     "{% elif m['role'] == 'user' %}<|user|>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<|endoftext|>"
+    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}{{ eos_token }}"
     "{% else %}{{ raise_exception('unknown role ' ~ m['role']) }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-"""The project's template: the generated task's format, with an optional system text first."""
+"""The project's template: the generated task's format, with an optional system text first; an assistant turn
+ends with the tokenizer's eos token (``<|endoftext|>`` for a tokenizer data_prep trains)."""
 
 
 def load_template(name: str, tokenizer_path: str | None) -> str:
@@ -204,67 +220,306 @@ def render_preference(rec: Any, where: str, tpl: ChatTemplate) -> dict[str, str]
     return out
 
 
+def render_task_prompt(rec: Any, where: str, tpl: ChatTemplate) -> dict[str, Any]:
+    """A task record ``{"prompt", "answer"}`` with its prompt rendered up to the generation prompt (what the
+    model sees before it answers) and the plain text kept as ``question``. What data_prep writes to
+    ``rl_chat.jsonl`` and ``eval_task_chat.jsonl``."""
+    if not (
+        isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and isinstance(rec.get("answer"), str)
+    ):
+        raise ValueError(f"{where}: a task record needs string 'prompt' and 'answer'")
+    messages = [{"role": "user", "content": rec["prompt"]}]
+    return {**rec, "prompt": tpl.render(messages, add_generation_prompt=True), "question": rec["prompt"]}
+
+
+PROBE = [
+    {"role": "user", "content": "What comes after 1?"},
+    {"role": "assistant", "content": "2"},
+    {"role": "user", "content": "And after 2?"},
+    {"role": "assistant", "content": "3"},
+]
+"""A conversation every stage's prompts look like (``check_template``)."""
+
+
+def check_template(tpl: ChatTemplate) -> None:
+    """ValueError unless ``tpl`` renders what the stages build from it: a generation prompt holding the
+    user's text, turns masked one by one (SFT), a reply extending its prompt (DPO, the reward model)."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        prompt = tpl.render(PROBE[:1], add_generation_prompt=True)
+        tpl.segments(PROBE)
+        render_preference({"prompt": PROBE[0]["content"], "chosen": "2", "rejected": "3"}, "probe", tpl)
+    except (TemplateError, ValueError, TypeError) as e:
+        raise ValueError(f"it cannot render a user/assistant conversation: {e}") from None
+    if PROBE[0]["content"] not in prompt:
+        raise ValueError(f"its generation prompt {prompt!r} does not hold the user's message")
+
+
+def run_template(name: str, tokenizer_path: str | None, tokenizer: Any) -> ChatTemplate:
+    """The run's template (``data.chat_template`` = ``name``) with the tokenizer's own eos/bos tokens as the
+    template variables: how data_prep renders every chat set (and the pre-flight checks it)."""
+    return ChatTemplate(
+        load_template(name, tokenizer_path),
+        eos_token=tokenizer.special_tokens["eod"],
+        bos_token=tokenizer.special_tokens.get("bos", ""),
+    )
+
+
+def project_template(tokenizer: Any) -> ChatTemplate:
+    """The project template for ``tokenizer``: the generated files of a run with data.chat_template=project
+    are rendered with it when a stage reads them (data_prep renders them for any other template)."""
+    return ChatTemplate(PROJECT_TEMPLATE, eos_token=tokenizer.special_tokens["eod"])
+
+
 # ---------------------------------------------------------------------------- engine sources
+#
+# Every stage reads its chat data through these: data_prep's rendered files (``*_chat.jsonl``, named in its
+# manifest) when the run's template is not the project's, else the generated files rendered here with the
+# project template. Either way an example is text rendered by a ChatTemplate, tokenized piece by piece.
 
 
-def _row(ids: list[int], loss: list[int], seq_length: int, pad: int) -> dict[str, np.ndarray]:
-    from engine.data.datasets import _row as row
-
-    return row(ids, loss, seq_length, pad)
-
-
-def chat_sft_source(path: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
-    """SFT samples from ``sft_chat.jsonl`` (rendered segments): loss exactly on the trained segments' tokens."""
-    from engine.data.datasets import _warn_truncated, stacked_source
-
-    rows, truncated, n = [], 0, 0
+def _sft_examples(path: Path, tpl: ChatTemplate | None) -> list[list[tuple[str, bool]]]:
+    """(text, trained) segments per example: rendered already (``tpl`` None) or rendered with ``tpl``."""
+    out = []
     for where, rec in iter_records(Path(path)):
+        if tpl is not None:
+            segs = tpl.segments(sft_messages(rec, where))
+        else:
+            segs = [(str(t), bool(k)) for t, k in rec["segments"]]
+        if not any(trained and text for text, trained in segs):
+            raise ValueError(f"{where}: no trained token")
+        out.append(segs)
+    if not out:
+        raise ValueError(f"{path}: no records")
+    return out
+
+
+def _sft_rows(
+    examples: list[list[tuple[str, bool]]], tokenizer: Any, seq_length: int, pack: bool
+) -> tuple[list[dict[str, np.ndarray]], Truncation]:
+    """Rows of SFT examples (loss exactly on trained segments); an example cut at ``seq_length`` so short that
+    no trained token is left is left out. ``pack``: whole examples share a row while they fit (sft_source)."""
+    from engine.data.datasets import _row
+
+    pieces = iter(tokenizer.encode_batch([text for ex in examples for text, _ in ex]))
+    rows: list[dict[str, np.ndarray]] = []
+    cur_ids: list[int] = []
+    cur_loss: list[int] = []
+    starts: list[int] = []
+    truncated = emptied = longest = 0
+    for ex in examples:
         ids: list[int] = []
         loss: list[int] = []
-        for text, trained in rec["segments"]:
-            t = tokenizer.encode(text)
+        for _, trained in ex:
+            t = next(pieces)
             ids += t
             loss += [int(trained)] * len(t)
-        if not any(loss):
-            raise ValueError(f"{where}: no trained token")
+        longest = max(longest, len(ids) - 1)
         if len(ids) > seq_length + 1:
             ids, loss, truncated = ids[: seq_length + 1], loss[: seq_length + 1], truncated + 1
-        rows.append(_row(ids, loss, seq_length, tokenizer.pad))
-        n += 1
-    if not rows:
+        if not any(loss[1:]):  # label j is ids[j + 1]: nothing left to learn
+            emptied += 1
+            continue
+        if cur_ids and (not pack or len(cur_ids) + len(ids) > seq_length + 1):
+            rows.append(_row(cur_ids, cur_loss, seq_length, tokenizer.pad, starts if pack else None))
+            cur_ids, cur_loss, starts = [], [], []
+        starts.append(len(cur_ids))
+        cur_ids += ids
+        cur_loss += loss
+    if cur_ids:
+        rows.append(_row(cur_ids, cur_loss, seq_length, tokenizer.pad, starts if pack else None))
+    return rows, Truncation("examples", len(examples), truncated, emptied, seq_length, longest)
+
+
+def _sft_source(
+    path: Path, tpl: ChatTemplate | None, tokenizer: Any, seq_length: int, seed: int, pack: bool, limit: Any
+) -> Any:
+    from engine.data.datasets import _warn_truncated, stacked_source
+
+    rows, cut = _sft_rows(_sft_examples(path, tpl), tokenizer, seq_length, pack)
+    _warn_truncated(str(path), cut.truncated, cut.examples, seq_length)
+    (limit or TruncationLimit()).check(cut)
+    return stacked_source(rows, seed, f"sft_source({path})", truncation=cut)
+
+
+def sft_source(
+    path: Path,
+    tokenizer: Any,
+    seq_length: int,
+    seed: int,
+    pack: bool = False,
+    limit: TruncationLimit | None = None,
+) -> Any:
+    """SFT samples from the generated ``{"prompt", "response"}`` lines, rendered with the project template
+    (``<|user|>...<|assistant|>...<eos>``): loss on the response tokens and the closing eos.
+
+    Default: one example per row. With ``pack`` (``sft.pack_examples``) consecutive examples of the file
+    share a row while they fit, each one complete, so short examples do not waste the row on padding; a
+    sample is then a row, not an example. Packed rows carry ``position_ids`` that restart at 0 for each
+    example and ``segment_ids`` (the example's number in the row; padding is one more segment), from which
+    the step builds a block-diagonal causal attention mask: each example sees only itself, so its loss is
+    the one it has alone in a row (tests/engine/models/test_attention.py). With RoPE the positions are not
+    used, but the scores depend only on relative positions within the example, so the result is the same.
+
+    Examples longer than ``seq_length`` are cut on the right (counted, warned once); one left without a
+    trained token is left out, and ``limit`` (the stage's, engine.data.truncation) decides whether the
+    stage may start.
+    """
+    return _sft_source(path, project_template(tokenizer), tokenizer, seq_length, seed, pack, limit)
+
+
+def chat_sft_source(
+    path: Path,
+    tokenizer: Any,
+    seq_length: int,
+    seed: int,
+    pack: bool = False,
+    limit: TruncationLimit | None = None,
+) -> Any:
+    """SFT samples from ``sft_chat.jsonl`` (segments rendered by data_prep), as ``sft_source``."""
+    return _sft_source(path, None, tokenizer, seq_length, seed, pack, limit)
+
+
+def _pairs(path: Path, tpl: ChatTemplate | None) -> list[tuple[str, str, str]]:
+    """(prompt, chosen, rejected) texts: rendered already (``tpl`` None) or rendered with ``tpl``."""
+    out = []
+    for where, rec in iter_records(Path(path)):
+        r = render_preference(rec, where, tpl) if tpl is not None else rec
+        out.append((str(r["prompt"]), str(r["chosen"]), str(r["rejected"])))
+    if not out:
         raise ValueError(f"{path}: no records")
-    _warn_truncated(str(path), truncated, n, seq_length)
-    return stacked_source(rows, seed, f"chat_sft_source({path})", truncated=truncated, examples=n)
+    return out
 
 
-def chat_preference_source(path: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
-    """DPO samples from ``pref_chat.jsonl``: arrays [2, seq], row 0 chosen, row 1 rejected, loss on the reply."""
-    from engine.data.datasets import _stack, _warn_truncated, stacked_source
+def preference_rows(
+    path: Path, tpl: ChatTemplate | None, tokenizer: Any, seq_length: int
+) -> tuple[list[dict[str, np.ndarray]], Truncation]:
+    """Rows [2, seq] of preference pairs (row 0 chosen, row 1 rejected, loss on the reply and its closing
+    token); a pair in which either reply lost every token to the cut at ``seq_length`` is left out."""
+    from engine.data.datasets import _row, _stack
 
-    rows, truncated = [], 0
-    for _, rec in iter_records(Path(path)):
-        p = tokenizer.encode(rec["prompt"])
-        pair = []
-        for key in ("chosen", "rejected"):
-            r = tokenizer.encode(rec[key])
+    pairs = _pairs(path, tpl)
+    prompts, chosen, rejected = (tokenizer.encode_batch(list(x)) for x in zip(*pairs))
+    rows, truncated, emptied, longest = [], 0, 0, 0
+    for p, *replies in zip(prompts, chosen, rejected):
+        pair, cut, empty = [], False, False
+        for r in replies:
             ids, loss = p + r, [0] * len(p) + [1] * len(r)
+            longest = max(longest, len(ids) - 1)
             if len(ids) > seq_length + 1:
-                ids, loss = ids[: seq_length + 1], loss[: seq_length + 1]
-                truncated += key == "chosen"
+                ids, loss, cut = ids[: seq_length + 1], loss[: seq_length + 1], True
+            empty = empty or not any(loss[1:])
             pair.append(_row(ids, loss, seq_length, tokenizer.pad))
-        rows.append(_stack(pair))
-    if not rows:
-        raise ValueError(f"{path}: no records")
-    _warn_truncated(str(path), truncated, len(rows), seq_length)
-    return stacked_source(rows, seed, f"chat_preference_source({path})", truncated=truncated)
+        truncated += cut
+        emptied += empty
+        if not empty:
+            rows.append(_stack(pair))
+    return rows, Truncation("preference pairs", len(pairs), truncated, emptied, seq_length, longest)
 
 
-def train_preferences(data_dir: Path, tokenizer: Any, seq_length: int, seed: int) -> Any:
+def _preference_source(
+    path: Path, tpl: ChatTemplate | None, tokenizer: Any, seq_length: int, seed: int, limit: Any
+) -> Any:
+    from engine.data.datasets import _warn_truncated, stacked_source
+
+    rows, cut = preference_rows(path, tpl, tokenizer, seq_length)
+    _warn_truncated(str(path), cut.truncated, cut.examples, seq_length)
+    (limit or TruncationLimit()).check(cut)
+    return stacked_source(rows, seed, f"preference_source({path})", truncation=cut)
+
+
+def preference_source(
+    path: Path, tokenizer: Any, seq_length: int, seed: int, limit: TruncationLimit | None = None
+) -> Any:
+    """DPO samples from the generated ``{"prompt", "chosen", "rejected"}`` lines rendered with the project
+    template: arrays [2, seq], row 0 chosen, row 1 rejected (``preference_rows``)."""
+    return _preference_source(path, project_template(tokenizer), tokenizer, seq_length, seed, limit)
+
+
+def chat_preference_source(
+    path: Path, tokenizer: Any, seq_length: int, seed: int, limit: TruncationLimit | None = None
+) -> Any:
+    """DPO samples from ``pref_chat.jsonl`` (rendered by data_prep), as ``preference_source``."""
+    return _preference_source(path, None, tokenizer, seq_length, seed, limit)
+
+
+def _manifest(data_dir: Path) -> dict[str, Any]:
+    from engine.data.datasets import read_manifest
+
+    return read_manifest(data_dir, verify=False)
+
+
+def _rendered_or_project(data_dir: Path, key: str, plain: str, tokenizer: Any) -> tuple[Path, Any]:
+    """data_prep's rendered file ``key`` (tpl None), else the generated ``plain`` file with the project
+    template, which is then the run's (a data directory rendered with another must have ``key``)."""
+    manifest = _manifest(data_dir)
+    if manifest.get(key):
+        return Path(data_dir) / manifest[key], None
+    template = manifest.get("chat_template", "project")
+    if template != "project":
+        raise ValueError(
+            f"{data_dir}: data_prep wrote no {key} rendered with data.chat_template={template} (the data "
+            "directory of an older version): prepare the data again (python -m pipeline ... with data_prep)"
+        )
+    return Path(data_dir) / plain, project_template(tokenizer)
+
+
+def train_sft(
+    data_dir: Path, tokenizer: Any, seq_length: int, seed: int, pack: bool, limit: TruncationLimit
+) -> Any:
+    """What the SFT stage trains on: users' data.sft_paths or the generated examples, as the run renders them."""
+    path, tpl = _rendered_or_project(data_dir, "sft_file", "sft_train.jsonl", tokenizer)
+    return _sft_source(path, tpl, tokenizer, seq_length, seed, pack, limit)
+
+
+def train_preferences(
+    data_dir: Path, tokenizer: Any, seq_length: int, seed: int, limit: TruncationLimit | None = None
+) -> Any:
     """The preference pairs DPO and the reward model train on: users' pairs (data.pref_paths, rendered by
     data_prep: the manifest's ``pref_file``) when given, else the generated pref_train.jsonl."""
-    from engine.data.datasets import preference_source, read_manifest
+    path, tpl = _rendered_or_project(data_dir, "pref_file", "pref_train.jsonl", tokenizer)
+    return _preference_source(path, tpl, tokenizer, seq_length, seed, limit)
 
-    chat_file = read_manifest(data_dir, verify=False).get("pref_file")
-    if chat_file:
-        return chat_preference_source(data_dir / chat_file, tokenizer, seq_length, seed)
-    return preference_source(data_dir / "pref_train.jsonl", tokenizer, seq_length, seed)
+
+def held_out_pairs(
+    data_dir: Path, tokenizer: Any, seq_length: int
+) -> tuple[list[dict[str, np.ndarray]], Truncation]:
+    """The held-out preference pairs (eval_pref.jsonl as the run renders it) as rows: eval's and the reward
+    model's validation set."""
+    path, tpl = _rendered_or_project(data_dir, "eval_pref_file", "eval_pref.jsonl", tokenizer)
+    return preference_rows(path, tpl, tokenizer, seq_length)
+
+
+TASK_PROMPTS = {"rl": ("rl_file", "rl_train.jsonl"), "eval_task": ("eval_task_file", "eval_task.jsonl")}
+"""The task prompt sets: online RL's stream and eval's held-out prompts (manifest key, generated file)."""
+
+
+def task_prompts(data_dir: Path, name: str, tokenizer: Any) -> list[dict[str, Any]]:
+    """``{"prompt": rendered up to the generation prompt, "question": the plain text, "answer"}`` of task
+    prompt set ``name`` (``TASK_PROMPTS``) as the run renders it: online RL's prompts and eval's."""
+    key, plain = TASK_PROMPTS[name]
+    path, tpl = _rendered_or_project(data_dir, key, plain, tokenizer)
+    out = []
+    for where, rec in iter_records(path):
+        if tpl is not None:
+            rec = render_task_prompt(rec, where, tpl)
+        elif not all(isinstance(rec.get(k), str) for k in ("prompt", "question", "answer")):
+            raise ValueError(
+                f"{where}: a rendered task prompt needs string 'prompt', 'question' and 'answer'"
+            )
+        out.append(rec)
+    if not out:
+        raise ValueError(f"{path}: no records")
+    return out
+
+
+def held_out_preferences(
+    data_dir: Path, tokenizer: Any, seq_length: int, seed: int, limit: TruncationLimit | None = None
+) -> Any:
+    """``held_out_pairs`` as a sample source (the reward model's validation set), checked against ``limit``."""
+    from engine.data.datasets import stacked_source
+
+    rows, cut = held_out_pairs(data_dir, tokenizer, seq_length)
+    (limit or TruncationLimit()).check(cut)
+    return stacked_source(rows, seed, f"held-out pairs ({data_dir})", truncation=cut)

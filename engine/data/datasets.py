@@ -10,12 +10,8 @@ Sources and their items (``seq`` = sequence length):
 - :func:`pretrain_source` / :func:`valid_source`: megatron-core ``GPTDataset`` over the indexed text
   datasets written by data_prep. ``tokens``, ``labels`` int64 [seq], ``loss_mask`` float32 [seq] (0 on
   pad), ``position_ids`` int64 [seq].
-- :func:`sft_source`: ``<|user|>{prompt}<|assistant|>{response}<|endoftext|>``; ``tokens``, ``labels``
-  (shifted by one), ``loss_mask`` (1 exactly where the label is a response token or the closing eod),
-  ``position_ids``; padded with the pad id (mask 0), truncated on the right when too long (counted in
-  ``source.num_truncated``, warned once). ``pack=True`` puts several short examples in a row.
-- :func:`preference_source`: the same for (chosen, rejected) pairs, every array shaped [2, seq] with
-  row 0 = chosen, row 1 = rejected.
+- chat examples (SFT, preference pairs, task prompts) are built by engine.data.chat, every one rendered with
+  the run's chat template; its rows are made here (``_row``, :func:`stacked_source`).
 
 megatron's dataset builder works with or without ``torch.distributed``: without it each process builds
 (and caches) its own indices; with it, global rank 0 builds the cache first and every other rank reads
@@ -37,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.data.truncation import Truncation
 from pipeline.records.files import sha256_file  # noqa: F401  (re-exported for data_prep)
 
 SPECIAL_TOKENS: dict[str, str] = {
@@ -60,7 +57,7 @@ class Tokenizer:
     ``special`` maps roles to token strings: the pipeline's :data:`SPECIAL_TOKENS` by default (every role
     required); a Hugging Face tokenizer used unchanged (:func:`hf_special_tokens`) has ``eod`` = its eos token,
     ``pad`` = its pad token (else the eos token; pad positions never count) and no ``user``/``assistant``
-    tokens: its data is rendered with its chat template (engine.data.chat), not with :meth:`prompt_ids`.
+    tokens: its data is rendered with its chat template (engine.data.chat), as every run's is.
     """
 
     def __init__(self, hf: Any, source: str = "", special: dict[str, str] | None = None) -> None:
@@ -116,15 +113,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; special tokens are kept as their text."""
         return str(self.hf.decode([int(i) for i in ids], skip_special_tokens=False))
-
-    def prompt_ids(self, prompt: str) -> list[int]:
-        """``<|user|>{prompt}<|assistant|>``: what a model sees before it writes a response."""
-        if self.user is None or self.assistant is None:
-            raise ValueError(
-                f"tokenizer {self.source or '<in memory>'} has no <|user|>/<|assistant|> tokens: render "
-                "prompts with its chat template (data_prep's *_chat.jsonl files)"
-            )
-        return [self.user, *self.encode(prompt), self.assistant]
 
 
 def _token_text(value: Any) -> str | None:
@@ -204,8 +192,7 @@ class EpochSource:
         seed: int,
         name: str,
         *,
-        num_truncated: int = 0,
-        num_examples: int | None = None,
+        truncation: Truncation | None = None,
     ) -> None:
         if n <= 0:
             raise ValueError(f"{name}: no samples")
@@ -213,14 +200,23 @@ class EpochSource:
         self.fetch = fetch
         self.seed = seed
         self.name = name
-        self.num_truncated = num_truncated
-        """Examples cut at seq_length (warned once where the source is built)."""
-        self.num_examples = n if num_examples is None else num_examples
-        """Examples read (more than ``n`` when several are packed into one row)."""
+        self.truncation = truncation
+        """Chat examples: how many were read, cut at seq_length and left out (engine.data.truncation); None
+        for windows of a token stream (pretraining), which lose nothing."""
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def __len__(self) -> int:
         return self.n
+
+    @property
+    def num_truncated(self) -> int:
+        """Examples cut at seq_length."""
+        return self.truncation.truncated if self.truncation else 0
+
+    @property
+    def num_examples(self) -> int:
+        """Examples read (more than ``n`` when several are packed into one row, fewer when some were left out)."""
+        return self.truncation.examples if self.truncation else self.n
 
     def _perm(self, epoch: int) -> np.ndarray:
         perm = self._perms.get(epoch)
@@ -325,31 +321,15 @@ def read_jsonl(path: Path, keys: Sequence[str]) -> list[dict[str, str]]:
     return out
 
 
-def encode_example(
-    tokenizer: Tokenizer, prompt_ids: list[int], response_ids: list[int], seq_length: int
-) -> tuple[dict[str, np.ndarray], bool]:
-    """One templated example as (arrays of length ``seq_length``, truncated?).
-
-    ``prompt_ids`` already holds ``<|user|>...<|assistant|>``; the eod is appended to the response.
-    """
-    ids = prompt_ids + response_ids + [tokenizer.eod]
-    loss = [0] * len(prompt_ids) + [1] * (len(response_ids) + 1)
-    truncated = len(ids) > seq_length + 1
-    return _row(ids[: seq_length + 1], loss[: seq_length + 1], seq_length, tokenizer.pad), truncated
-
-
 def stacked_source(
-    rows: list[dict[str, np.ndarray]], seed: int, name: str, *, truncated: int, examples: int | None = None
+    rows: list[dict[str, np.ndarray]], seed: int, name: str, *, truncation: Truncation | None = None
 ) -> EpochSource:
     """An epoch source over ``rows`` stacked into arrays (one row per sample)."""
+    if not rows:
+        raise ValueError(f"{name}: no samples")
     arrays = _stack(rows)
     return EpochSource(
-        len(rows),
-        lambda j: {k: v[j] for k, v in arrays.items()},
-        seed,
-        name,
-        num_truncated=truncated,
-        num_examples=examples,
+        len(rows), lambda j: {k: v[j] for k, v in arrays.items()}, seed, name, truncation=truncation
     )
 
 
@@ -365,60 +345,13 @@ def _warn_truncated(name: str, count: int, total: int, seq_length: int) -> None:
         )
 
 
-def sft_source(
-    jsonl_path: Path, tokenizer: Tokenizer, seq_length: int, seed: int, pack: bool = False
-) -> EpochSource:
-    """SFT samples from ``{"prompt", "response"}`` lines; loss on response tokens and the closing eod.
-
-    Default: one example per row. With ``pack`` (``sft.pack_examples``) consecutive examples of the file
-    share a row while they fit, each one complete (``<|user|>...<|assistant|>...<|endoftext|>``), so short
-    examples do not waste the row on padding; a sample is then a row, not an example. Packed rows carry
-    ``position_ids`` that restart at 0 for each example and ``segment_ids`` (the example's number in the
-    row; padding is one more segment), from which the step builds a block-diagonal causal attention mask:
-    each example sees only itself, so its loss is the one it has alone in a row
-    (tests/engine/models/test_attention.py). With RoPE the positions are not used, but the scores depend only on
-    relative positions within the example, so the result is the same.
-    """
-    recs = read_jsonl(jsonl_path, ("prompt", "response"))
-    prompts = tokenizer.encode_batch([r["prompt"] for r in recs])
-    responses = tokenizer.encode_batch([r["response"] for r in recs])
-    rows: list[dict[str, np.ndarray]] = []
-    cur_ids: list[int] = []
-    cur_loss: list[int] = []
-    cur_starts: list[int] = []
-    truncated = 0
-    user, assistant = tokenizer.user, tokenizer.assistant
-    assert user is not None and assistant is not None, "sft_source needs the <|user|>/<|assistant|> tokens"
-
-    def flush() -> None:
-        if cur_ids:
-            rows.append(_row(cur_ids, cur_loss, seq_length, tokenizer.pad, cur_starts if pack else None))
-            cur_ids.clear()
-            cur_loss.clear()
-            cur_starts.clear()
-
-    for p, r in zip(prompts, responses):
-        ids = [user, *p, assistant, *r, tokenizer.eod]
-        loss = [0] * (len(p) + 2) + [1] * (len(r) + 1)
-        if len(ids) > seq_length + 1:
-            ids, loss, truncated = ids[: seq_length + 1], loss[: seq_length + 1], truncated + 1
-        if not pack or len(cur_ids) + len(ids) > seq_length + 1:
-            flush()
-        cur_starts.append(len(cur_ids))
-        cur_ids += ids
-        cur_loss += loss
-    flush()
-    _warn_truncated(str(jsonl_path), truncated, len(recs), seq_length)
-    return stacked_source(rows, seed, f"sft_source({jsonl_path})", truncated=truncated, examples=len(recs))
-
-
 def _row(
     ids: list[int], loss: list[int], seq_length: int, pad: int, starts: list[int] | None = None
 ) -> dict[str, np.ndarray]:
     """Arrays of one row from token ids and per-id loss flags (label j is ids[j + 1]).
 
     ``starts``: offsets of the packed examples in ``ids``; adds ``segment_ids`` and restarts
-    ``position_ids`` per example (see ``sft_source``).
+    ``position_ids`` per example (see engine.data.chat.sft_source).
     """
     n = len(ids) - 1
     tokens = np.full(seq_length, pad, dtype=np.int64)
@@ -440,27 +373,6 @@ def _row(
         row["position_ids"][n:] = np.arange(seq_length - n)
         row["segment_ids"] = segments
     return row
-
-
-def preference_source(jsonl_path: Path, tokenizer: Tokenizer, seq_length: int, seed: int) -> EpochSource:
-    """DPO samples from ``{"prompt", "chosen", "rejected"}`` lines: arrays [2, seq], row 0 chosen, row 1 rejected."""
-    recs = read_jsonl(jsonl_path, ("prompt", "chosen", "rejected"))
-    prompts = tokenizer.encode_batch([r["prompt"] for r in recs])
-    chosen = tokenizer.encode_batch([r["chosen"] for r in recs])
-    rejected = tokenizer.encode_batch([r["rejected"] for r in recs])
-    rows, truncated = [], 0
-    user, assistant = tokenizer.user, tokenizer.assistant
-    assert user is not None and assistant is not None, (
-        "preference_source needs the <|user|>/<|assistant|> tokens"
-    )
-    for p, c, r in zip(prompts, chosen, rejected):
-        pids = [user, *p, assistant]
-        row_c, cut_c = encode_example(tokenizer, pids, c, seq_length)
-        row_r, cut_r = encode_example(tokenizer, pids, r, seq_length)
-        rows.append(_stack([row_c, row_r]))
-        truncated += cut_c or cut_r
-    _warn_truncated(str(jsonl_path), truncated, len(recs), seq_length)
-    return stacked_source(rows, seed, f"preference_source({jsonl_path})", truncated=truncated)
 
 
 # ---------------------------------------------------------------------------- global sample index

@@ -157,10 +157,13 @@ class WithReference:
 def dpo_unit(env: Any, inputs: RLInputs) -> tuple[TrainUnit, None]:
     """DPO's unit: the preference pairs, each with the frozen reference's log-probs (cached in out_dir)."""
     from engine.data.chat import train_preferences
+    from engine.data.truncation import stage_limit
 
-    prefs = train_preferences(inputs.data_dir, env.tokenizer, env.seq_length, env.stage.seed)
+    st = env.stage
+    limit = stage_limit("rlhf", st.max_truncated_fraction)
+    prefs = train_preferences(inputs.data_dir, env.tokenizer, env.seq_length, st.seed, limit)
     ref = _reference(env.ctx.out_dir / REFERENCE_FILE, prefs, env)
-    return TrainUnit(WithReference(prefs, ref, 0)), None
+    return TrainUnit(WithReference(prefs, ref, 0), truncation=prefs.truncation), None
 
 
 def _reference(path: Path, prefs: Any, env: Any) -> np.ndarray:

@@ -41,7 +41,8 @@ def load_backbone(init_from: Path, chunks: list[Any]) -> None:
 class RewardModel:
     """A trained reward model, frozen: ``rm(prompts, responses) -> np.ndarray`` (float32, one score each).
 
-    ``prompts`` / ``responses``: token id lists (the prompt as the model saw it, ``<|user|>...<|assistant|>``).
+    ``prompts`` / ``responses``: token id lists (the prompt as the model saw it: the run's chat template up
+    to its generation prompt).
     Batched forward passes (``batch_size`` sequences) through megatron's forward-only schedule, so any TP/PP
     layout works. The ranks of one model-parallel group (TP x PP) pass the same rows and each gets every
     score; data-parallel ranks may pass different rows (RL scores each rank's own rollouts). Call after

@@ -5,8 +5,9 @@ engine.rl.dr_grpo).
 One global step of ``rlhf.algorithm=grpo`` (``GRPOUnit.updates`` + ``GRPOStep``, run by the one loop):
 
 1. prompts: the next ``P = global_batch_size / group_size`` prompts of the task's prompt stream
-   (stages/rlhf.py ``task_prompts``: data_prep's ``rl_train.jsonl``, else the SFT file's prompts; a seeded
-   order per epoch; the position is ``step * P``, saved in checkpoints);
+   (stages/rlhf.py ``task_prompts``: data_prep's ``rl_train.jsonl`` rendered with the run's chat template up
+   to its generation prompt, engine.data.chat; prompts that leave no room for ``max_new_tokens`` are left
+   out and counted; a seeded order per epoch; the position is ``step * P``, saved in checkpoints);
 2. rollouts: ``group_size`` samples per prompt from the policy (engine.models.generate, KV cache). The
    batch's rows (each prompt's samples contiguous) are split over the data-parallel ranks exactly as the
    trainer splits a batch (``data.sample_range``: rank ``d`` of ``D`` holds rows ``[d * n/D, (d+1) * n/D)``),
@@ -47,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.data.truncation import Truncation
 from engine.rl.policy import LogpStep, ScoreStep, clipped_policy_loss, kl_k3, model_logits, token_logps
 from engine.rl.registry import Algorithm, RLInputs, register
 from engine.rl.rollout import PromptStream, rollout_rows, sample_seed
@@ -246,17 +248,11 @@ def online_unit(
     st, tok = env.stage, env.tokenizer
     if inputs.check is None:
         raise ValueError(f"rlhf.algorithm={st.algorithm}: online RL reads prompts (no task checker given)")
-    ids = [tok.prompt_ids(p) for p in inputs.prompts]
-    longest = max(len(p) for p in ids)
-    if longest + st.max_new_tokens > env.seq_length:
-        raise ValueError(
-            f"rlhf.max_new_tokens={st.max_new_tokens}: the longest prompt ({longest} tokens) + max_new_tokens "
-            f"exceeds rlhf.seq_length={env.seq_length}; lower max_new_tokens or raise seq_length"
-        )
+    ids, answers, cut = _fitting_prompts(env, [tok.encode(p) for p in inputs.prompts], inputs.answers)
     reward = make_reward(
         st.reward,
         tokenizer=tok,
-        answers={tuple(p): a for p, a in zip(ids, inputs.answers)},
+        answers={tuple(p): a for p, a in zip(ids, answers)},
         check=inputs.check,
         model=inputs.reward_model,  # rlhf.reward=model|both: the frozen reward model (engine.models.reward)
     )
@@ -267,11 +263,36 @@ def online_unit(
         source=None,
         models=named,
         prompts=PromptStream(ids, st.seed),
+        truncation=cut,
         reward=reward,
         tokenizer=tok,
         settings=st,
     )
     return unit, None
+
+
+def _fitting_prompts(
+    env: Any, ids: list[list[int]], answers: list[str]
+) -> tuple[list[list[int]], list[str], Truncation]:
+    """The prompts (token ids) that leave room for a response of ``rlhf.max_new_tokens`` within the stage's
+    sequence length, their answers, and how many were left out (checked against the stage's limit)."""
+    from engine.data.truncation import stage_limit
+
+    st, seq = env.stage, env.seq_length
+    keep = [i for i, p in enumerate(ids) if len(p) + st.max_new_tokens <= seq]
+    lost = len(ids) - len(keep)
+    cut = Truncation(
+        "prompts",
+        len(ids),
+        lost,
+        lost,
+        seq,
+        needed=max(len(p) for p in ids) + st.max_new_tokens,
+        cause=f"leave no room for rlhf.max_new_tokens={st.max_new_tokens} response tokens within "
+        f"rlhf.seq_length={seq}",
+    )
+    stage_limit("rlhf", st.max_truncated_fraction, "or lower rlhf.max_new_tokens").check(cut)
+    return [ids[i] for i in keep], [answers[i] for i in keep], cut
 
 
 ALGORITHM = register(

@@ -1,7 +1,7 @@
 """Rewards for online RL: a callable ``reward(prompts, responses) -> np.ndarray`` (float32, one per response).
 
-``prompts`` and ``responses`` are token-id lists of equal count: the prompt as the model saw it
-(``<|user|>...<|assistant|>``) and the sampled response (the closing eod not included). Each data-parallel
+``prompts`` and ``responses`` are token-id lists of equal count: the prompt as the model saw it (the run's
+chat template up to its generation prompt) and the sampled response (the closing eod not included). Each data-parallel
 rank calls the reward with its own share of the rollouts; the ranks of one model-parallel group (TP x PP)
 call it with the same ones and must get the same values (deterministic, no per-rank state).
 

@@ -11,7 +11,8 @@ import numpy as np
 
 @dataclass
 class PromptStream:
-    """Prompts (token ids, ``<|user|>...<|assistant|>``) in a seeded order per epoch; any index >= 0."""
+    """Prompts (token ids: the run's chat template up to its generation prompt) in a seeded order per epoch;
+    any index >= 0."""
 
     prompts: list[list[int]]
     seed: int

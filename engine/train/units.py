@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from engine.data.datasets import collate, sample_range
+from engine.data.truncation import Truncation
 from engine.runtime import distributed as D
 from engine.train.meter import StepMeter
 from engine.train.step import Batch, ForwardStep
@@ -120,6 +121,8 @@ class TrainUnit:
     source: Any
     models: dict[str, NamedModel] = field(default_factory=dict)
     trainer: Loop | None = field(default=None, repr=False)
+    truncation: Truncation | None = None
+    """What cutting its examples at the sequence length cost (engine.data.truncation; None: nothing is cut)."""
 
     def bind(self, trainer: Loop) -> None:
         """Called by the trainer it belongs to (gives the unit the stage, meter and the policy)."""

@@ -101,7 +101,16 @@ def _last(recs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return next((r for r in reversed(recs) if r.get("kind") == kind), {})
 
 
-def stage_summary(stage: str, recs: list[dict[str, Any]]) -> list[Any]:
+def left_out(outputs: dict[str, Any]) -> str:
+    """A completed training stage's examples lost to truncation (engine.data.truncation), e.g. ``2 of 16
+    preference pairs``; empty when nothing is cut (pretrain) or the stage did not complete."""
+    t = outputs.get("truncation")
+    if not isinstance(t, dict):
+        return ""
+    return f"{t.get('emptied', 0)} of {t.get('examples', 0)} {t.get('what', 'examples')} (seq_length {t.get('seq_length')})"
+
+
+def stage_summary(stage: str, recs: list[dict[str, Any]], outputs: dict[str, Any] | None = None) -> list[Any]:
     t, v = _last(recs, "train"), _last(recs, "valid")
     mem = t.get("mem_alloc_gb", t.get("mem_rss_gb"))
     return [
@@ -113,6 +122,7 @@ def stage_summary(stage: str, recs: list[dict[str, Any]]) -> list[Any]:
         t.get("tflops"),
         t.get("mfu"),
         mem,
+        left_out(outputs or {}),
     ]
 
 
@@ -260,10 +270,9 @@ def run_report(run_dir: Path) -> str:
     trained = [s for s in TRAIN_STAGES if any(r.get("kind") == "train" for r in metrics[s])]
     if trained:
         hdr = ["stage", "step", "train loss", "valid loss", "tokens/s", "TFLOP/s", "MFU", "memory GiB"]
-        out.append(
-            "<h2>Training</h2>"
-            + _table(hdr, [stage_summary(s, metrics[s]) for s in trained], "train-summary")
-        )
+        hdr.append("left out by truncation")
+        rows = [stage_summary(s, metrics[s], (r.outputs if (r := ledger.read(s)) else {})) for s in trained]
+        out.append("<h2>Training</h2>" + _table(hdr, rows, "train-summary"))
     out.append("<h2>Eval</h2>" + eval_table(run_dir))
     hdr = [
         "stage",

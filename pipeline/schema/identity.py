@@ -32,6 +32,8 @@ IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
     "keep_last": "how many checkpoints are kept on disk",
     "keep_incomplete": "how many temp dirs of crashed saves are kept on disk",
     "max_bad_steps": "only decides whether a stage stops; a completed stage's result does not depend on it",
+    "max_truncated_fraction": "only decides whether a stage starts; the examples it trains on (those with a "
+    "trained token left) do not depend on it",
     "nan_policy": "skip and rollback give bit-identical weights (tests/engine/train/test_nan_policy.py); stop only ends "
     "the stage",
     "async_save": "checkpoint writing in the background: the saved state is the same",

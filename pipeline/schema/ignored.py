@@ -245,14 +245,12 @@ def _stage_rules(name: str) -> list[Rule]:
         out.append(
             Rule(f"{name}: packing", (f"{name}.pack_examples",), lambda pc, _k: "only sft packs examples")
         )
-    else:
+    if name == "pretrain":
         out.append(
             Rule(
-                "sft: packing users' chat data",
-                ("sft.pack_examples",),
-                lambda pc, _k: (
-                    "users' chat data (data.sft_paths) is not packed" if pc.data.sft_paths else None
-                ),
+                "pretrain: truncation limit",
+                ("pretrain.max_truncated_fraction",),
+                lambda pc, _k: "pretrain cuts nothing (its samples are windows of the token stream)",
             )
         )
     out.append(

@@ -152,7 +152,9 @@ class TrainStage:
     async_save: bool = False
     """Write periodic checkpoints in a background process (the final and stop-request saves stay synchronous)."""
     pack_examples: bool = False
-    """SFT: pack consecutive examples into each sequence of seq_length tokens (positions restart and attention stays within each example; a sample is then a packed row). Applies to the prompt/response SFT file, not yet to users' chat data (data.sft_paths)."""
+    """SFT: pack consecutive examples into each sequence of seq_length tokens (positions restart and attention stays within each example; a sample is then a packed row). Applies to the generated examples and to users' chat data (data.sft_paths) alike."""
+    max_truncated_fraction: float = num(0.05, ge=0, le=1)
+    """Examples are cut at seq_length; one cut so short that it keeps no trained token (its prompt fills the sequence; online RL: a prompt that leaves no room for max_new_tokens) is left out and counted (console, ledger, report). The stage refuses to start, before training, when more than this share of its examples (SFT examples, preference pairs, RL prompts) is lost, and always when all of them are: raise seq_length. Not read by pretrain (its samples are windows of the token stream: nothing is cut)."""
     checkpoint_verify: str = "full"
     """How a resume checks the newest checkpoint, each rank its own files in parallel: full (every byte against the marker's whole-file checksum), sampled (sizes plus 8 sampled 4 MiB blocks per file), sizes."""
     beta: float = num(0.1, gt=0)

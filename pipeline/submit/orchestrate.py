@@ -246,6 +246,8 @@ def summarize(cfg: PipelineConfig, run_dir: Path, out: TextIO) -> int:
     """Print the results table (if eval ran) and where everything was written."""
     ledger = Ledger(run_dir)
     results = stage_out_dir(run_dir, "eval") / "results.json"
+    from pipeline.reporting.html import left_out
+
     if results.exists():
         from pipeline.reporting.results import results_table
 
@@ -257,6 +259,8 @@ def summarize(cfg: PipelineConfig, run_dir: Path, out: TextIO) -> int:
         print(f"  {s:<10} {status:<10} {stage_out_dir(run_dir, s)}", file=out)
         if s == "data_prep" and rec and rec.status == COMPLETED:
             print(data_counts_lines(rec.outputs), file=out, end="")
+        if rec and rec.status == COMPLETED and (rec.outputs.get("truncation") or {}).get("emptied"):
+            print(f"    left out by truncation: {left_out(rec.outputs)}", file=out)
     _write_report(run_dir, out)
     bad = [s for s in cfg.run.stages if (r := ledger.read(s)) and r.status in (FAILED, CANCELLED)]
     return 1 if bad else 0

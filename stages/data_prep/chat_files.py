@@ -24,11 +24,15 @@ EVAL_TASK_CHAT = "eval_task_chat.jsonl"
 EVAL_PREF_CHAT = "eval_pref_chat.jsonl"
 
 
+RL_CHAT = "rl_chat.jsonl"
+
+
 CHAT_FILES = {
     "sft_file": SFT_CHAT,
     "pref_file": PREF_CHAT,
     "eval_task_file": EVAL_TASK_CHAT,
     "eval_pref_file": EVAL_PREF_CHAT,
+    "rl_file": RL_CHAT,
 }
 """Manifest key -> rendered file; a key is present exactly when its file was written."""
 
@@ -37,11 +41,7 @@ def chat_template(d: DataConfig, tokenizer: Tokenizer) -> Any:
     """``data.chat_template`` compiled, with the tokenizer's own eos/bos tokens as template variables."""
     from engine.data import chat
 
-    return chat.ChatTemplate(
-        chat.load_template(d.chat_template, d.tokenizer_path),
-        eos_token=tokenizer.special_tokens["eod"],
-        bos_token=tokenizer.special_tokens.get("bos", ""),
-    )
+    return chat.run_template(d.chat_template, d.tokenizer_path, tokenizer)
 
 
 def write_chat_files(out: Path, d: DataConfig, tokenizer: Tokenizer | None = None) -> dict[str, int]:
@@ -50,10 +50,11 @@ def write_chat_files(out: Path, d: DataConfig, tokenizer: Tokenizer | None = Non
     Users' ``data.sft_paths`` / ``data.pref_paths`` become ``sft_chat.jsonl`` (``{"segments": [[text,
     trained], ...]}``) and ``pref_chat.jsonl`` (rendered ``{"prompt", "chosen", "rejected"}``). With a template
     other than ``project`` (a run starting from a Hugging Face model: its own template) the generated task is
-    rendered with it as well: its SFT and preference sets (when the user gave none) and the held-out eval
-    sets, ``eval_task_chat.jsonl`` (``{"prompt": rendered up to the generation prompt, "answer"}``) and
-    ``eval_pref_chat.jsonl``. The manifest names them (``sft_file``, ``pref_file``, ``eval_task_file``,
-    ``eval_pref_file``); SFT, rlhf and eval then use them instead of the plain task files (still written).
+    rendered with it as well: its SFT and preference sets (when the user gave none), online RL's prompts
+    ``rl_chat.jsonl`` and the held-out eval sets, ``eval_task_chat.jsonl`` (both ``{"prompt": rendered up
+    to the generation prompt, "question", "answer"}``) and ``eval_pref_chat.jsonl``. The manifest names them
+    (``sft_file``, ``pref_file``, ``rl_file``, ``eval_task_file``, ``eval_pref_file``); every stage then
+    reads them instead of the plain task files (still written), through engine.data.chat.
     """
     from engine.data import chat
 
@@ -72,7 +73,8 @@ def write_chat_files(out: Path, d: DataConfig, tokenizer: Tokenizer | None = Non
         elif generated:
             jobs.append((name, [out / own], own, render))
     if generated:
-        jobs.append((EVAL_TASK_CHAT, [out / "eval_task.jsonl"], "eval_task.jsonl", _render_eval_task))
+        jobs.append((RL_CHAT, [out / "rl_train.jsonl"], "rl_train.jsonl", chat.render_task_prompt))
+        jobs.append((EVAL_TASK_CHAT, [out / "eval_task.jsonl"], "eval_task.jsonl", chat.render_task_prompt))
         jobs.append((EVAL_PREF_CHAT, [out / "eval_pref.jsonl"], "eval_pref.jsonl", chat.render_preference))
     if not jobs:
         return counts
@@ -96,12 +98,6 @@ def write_chat_files(out: Path, d: DataConfig, tokenizer: Tokenizer | None = Non
         os.replace(tmp, out / name)
         counts[name.removesuffix(".jsonl")] = n
     return counts
-
-
-def _render_eval_task(rec: Any, where: str, tpl: Any) -> dict[str, Any]:
-    """A held-out task prompt rendered up to the generation prompt (what the model sees before answering)."""
-    messages = [{"role": "user", "content": rec["prompt"]}]
-    return {**rec, "prompt": tpl.render(messages, add_generation_prompt=True), "question": rec["prompt"]}
 
 
 def _expand_any(patterns: list[str], key: str) -> list[Path]:

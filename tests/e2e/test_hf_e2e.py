@@ -87,3 +87,121 @@ def test_sft_dpo_from_hf_then_export_generates_like_eval(tmp_path: Path, peft: s
     g = run("-c", GENERATE, str(out), json.dumps(prompts), "6", timeout=300)
     assert g.returncode == 0, g.stderr[-3000:]
     assert json.loads(g.stdout.strip().splitlines()[-1]) == [s["generated"] for s in samples]
+
+
+def _run_dir(r: subprocess.CompletedProcess[str]) -> Path:
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("run directory:"))
+    return Path(line.split(":", 1)[1].strip())
+
+
+SHORT = ["data.max_corpus_mb=0.1", "eval.num_task_examples=4", "eval.max_new_tokens=4", "rlhf.iters=2"]
+SHORT += ["rlhf.warmup_iters=0", "sft.iters=2", "sft.warmup_iters=0", "reward_model.iters=2"]
+SHORT += ["reward_model.warmup_iters=0"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "kind,tokenizer,rlhf",
+    [("qwen2", "chatml", "grpo"), ("llama3", "llama3", "ppo"), ("qwen2", "chatml", "dpo")],
+)
+def test_readme_command_on_a_model_without_role_tokens(
+    tmp_path: Path, kind: str, tokenizer: str, rlhf: str
+) -> None:
+    """docs/huggingface.md's first command (SFT -> RLHF -> eval from hf:, the base model scored too) on a model
+    whose tokenizer has none of the pipeline's role tokens: GRPO (the default), PPO (with the reward model
+    stage and rlhf.reward=both: the reward model trains, rewards and is scored by eval) and DPO complete, and
+    the RL prompts are the model's template's rendering, string- and token-equal to transformers'."""
+    from transformers import AutoTokenizer
+
+    from engine.data.datasets import load_tokenizer
+
+    base = make(kind, tmp_path / "base", tokenizer=tokenizer)
+    stages = "[data_prep,sft,reward_model,rlhf,eval]" if rlhf == "ppo" else "[data_prep,sft,rlhf,eval]"
+    extra = ["rlhf.reward=both"] if rlhf == "ppo" else []
+    r = run(
+        "-m",
+        "pipeline",
+        f"sft.init_from=hf:{base}",
+        f"run.stages={stages}",
+        f"eval.models=[hf:{base},sft,rlhf]",
+        "experiment=tiny",
+        f"run.root={tmp_path / 'runs'}",
+        f"rlhf={rlhf}",
+        *extra,
+        *SHORT,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_dir = _run_dir(r)
+    results = json.loads((run_dir / "stages" / "eval" / "results.json").read_text())
+    assert set(results["models"]) == {f"hf:{base}", "sft", "rlhf"}
+    assert results["data"]["pref_pairs_left_out"] == 0 and results["data"]["task_prompts_cut"] == 0
+    if rlhf == "ppo":
+        assert results["reward_model"]["pairs"] == results["data"]["pref_pairs"] > 0
+    ledger = {s: json.loads((run_dir / "ledger" / f"{s}.json").read_text()) for s in ("sft", "rlhf")}
+    what = "preference pairs" if rlhf == "dpo" else "prompts"
+    assert ledger["rlhf"]["outputs"]["truncation"]["what"] == what
+    assert ledger["rlhf"]["outputs"]["truncation"]["emptied"] == 0
+    assert ledger["sft"]["outputs"]["truncation"]["emptied"] == 0
+    assert f"[rlhf] 400 {what}: none left out by rlhf.seq_length=32" in r.stdout or rlhf == "dpo"
+
+    data = run_dir / "stages" / "data_prep"
+    hf, tok = AutoTokenizer.from_pretrained(base), load_tokenizer(data / "tokenizer.json")
+    assert tok.user is None and tok.assistant is None
+    rendered = [json.loads(x) for x in (data / "rl_chat.jsonl").read_text().splitlines()]
+    for rec in rendered[:50]:
+        msgs = [{"role": "user", "content": rec["question"]}]
+        assert rec["prompt"] == hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        assert tok.encode(rec["prompt"]) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _long_prompt_pairs(path: Path, n: int, long: int) -> None:
+    """Users' preference pairs; the first ``long`` with a prompt far longer than rlhf.seq_length=32 tokens."""
+    words = "the river runs past the old stone bridge under a grey and quiet sky".split()
+    with open(path, "w") as f:
+        for i in range(n):
+            prompt = " ".join(words * 4) if i < long else f"What comes after {i}?"
+            f.write(json.dumps({"prompt": prompt, "chosen": str(i + 1), "rejected": str(i)}) + "\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dpo_on_pairs_that_truncation_empties_fails_before_training(tmp_path: Path) -> None:
+    """DPO on users' pairs whose rendered prompts exceed rlhf.seq_length: with all of them, and with more than
+    rlhf.max_truncated_fraction of them, the stage fails before training with one line naming the key to
+    raise; within the limit it trains on the rest and the count is in the console, the ledger and the report."""
+    base = make("llama3", tmp_path / "base", tokenizer="llama3")
+    pairs = tmp_path / "pairs.jsonl"
+    common = ["experiment=tiny", f"run.root={tmp_path / 'runs'}", "rlhf=dpo", f"rlhf.init_from=hf:{base}"]
+    common += [
+        "run.stages=[data_prep,rlhf]",
+        f"data.pref_paths=[{pairs}]",
+        "rlhf.iters=2",
+        "rlhf.warmup_iters=0",
+    ]
+    common += ["data.max_corpus_mb=0.1"]
+
+    _long_prompt_pairs(pairs, 16, 16)
+    r = run("-m", "pipeline", *common)
+    assert r.returncode != 0
+    errors = [
+        ln for ln in r.stdout.splitlines() + r.stderr.splitlines() if ln.startswith("error: stage 'rlhf'")
+    ]
+    assert len(errors) == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "all 16 preference pairs lose every trained token when cut at rlhf.seq_length=32" in errors[0]
+    assert "raise rlhf.seq_length" in errors[0]
+
+    _long_prompt_pairs(pairs, 16, 3)  # 3 of 16 (18.8%) > the default 5%
+    r = run("-m", "pipeline", *common)
+    assert r.returncode != 0
+    both = r.stdout + r.stderr
+    assert "3 of 16 preference pairs (18.8%)" in both and "rlhf.max_truncated_fraction=0.05 allows" in both
+
+    r = run("-m", "pipeline", *common, "rlhf.max_truncated_fraction=0.2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[rlhf] 16 preference pairs: 3 (18.8%) lost every trained token to truncation" in r.stdout
+    run_dir = _run_dir(r)
+    out = json.loads((run_dir / "ledger" / "rlhf.json").read_text())["outputs"]
+    assert out["truncation"]["emptied"] == 3 and out["truncation"]["examples"] == 16
+    assert "3 of 16 preference pairs" in (run_dir / "report.html").read_text()

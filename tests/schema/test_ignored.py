@@ -53,7 +53,7 @@ CASES: dict[str, tuple[list[str], str, list[str] | None]] = {
         "rlhf.algorithm=",
         [],
     ),  # modes per key from the declarations: _algorithm_mode
-    "sft: packing users' chat data": (["data.sft_paths=[/nonexistent/s.jsonl]"], "data.sft_paths", []),
+    "pretrain: truncation limit": ([], "pretrain cuts nothing", None),
     **{f"{s}: rlhf keys": ([], "only rlhf reads it", None) for s in ("pretrain", "sft", "reward_model")},
     **{f"{s}: packing": ([], "only sft packs", None) for s in ("pretrain", "reward_model", "rlhf")},
     **{

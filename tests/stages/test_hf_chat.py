@@ -108,3 +108,83 @@ def test_no_template_and_no_role_tokens_is_a_config_error(llama: Path, tmp_path:
     (bare / "chat_template.jinja").unlink(missing_ok=True)
     with pytest.raises(ConfigError, match=r"has no chat_template .* lacks the pipeline's role tokens"):
         load([f"sft.init_from=hf:{bare}", "run.stages=[data_prep,sft]"], inputs=False)
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make("qwen2", tmp_path_factory.mktemp("hf") / "tiny-qwen", tokenizer="chatml")
+
+
+def _prepare(model: Path, root: Path) -> Path:
+    rng = np.random.default_rng(0)
+    words = "the king queen night day love war peace river stone after comes what count".split()
+    (root / "c.txt").write_text("\n\n".join(" ".join(rng.choice(words, 30)) for _ in range(100)) + "\n")
+    overrides = [f"sft.init_from=hf:{model}", "run.stages=[data_prep,sft,rlhf]", "data.corpus=files"]
+    overrides += [f"data.text_paths=[{root / 'c.txt'}]", "data.num_sft_examples=8", "data.num_pref_pairs=8"]
+    overrides += ["data.num_eval_examples=6", "eval.num_task_examples=6", "data_prep.threads=1"]
+    cfg = load(overrides, inputs=False)
+    out = root / "data_prep"
+    data_prep.main(cfg, StageContext(run_dir=root, stage="data_prep", out_dir=out))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama3", "chatml"])
+def test_rl_and_eval_prompts_are_the_templates_rendering(
+    kind: str, llama: Path, chatml: Path, prepared: Path, tmp_path: Path
+) -> None:
+    """Online RL's prompt stream (the rlhf stage's ``task_prompts``, which the rollouts tokenize) and eval's
+    prompts: string- and token-equal to transformers' apply_chat_template(add_generation_prompt=True), for a
+    model without the pipeline's role tokens; the reward model's held-out pairs load too."""
+    from transformers import AutoTokenizer
+
+    from stages.rlhf import task_prompts
+
+    model, data = (llama, prepared) if kind == "llama3" else (chatml, _prepare(chatml, tmp_path))
+    hf = AutoTokenizer.from_pretrained(model)
+    tok = load_tokenizer(data / "tokenizer.json")
+    assert tok.user is None and read_manifest(data)["rl_file"] == "rl_chat.jsonl"
+    prompts, answers = task_prompts(data, tok)
+    raw = [json.loads(x) for x in (data / "rl_train.jsonl").read_text().splitlines()]
+    assert answers == [r["answer"] for r in raw] and len(prompts) == len(raw)
+    evals = chat.task_prompts(data, "eval_task", tok)
+    for question, text in [
+        *((r["prompt"], p) for r, p in zip(raw, prompts)),
+        *((e["question"], e["prompt"]) for e in evals),
+    ]:
+        msgs = [{"role": "user", "content": question}]
+        assert text == hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert tok.encode(text) == list(ids)
+    pairs = chat.held_out_preferences(data, tok, 64, 0)
+    assert pairs.truncation.examples == 6 and pairs.truncation.emptied == 0
+
+
+def test_a_template_too_long_for_rlhf_seq_length_is_a_config_error(tmp_path: Path) -> None:
+    """Qwen2-Instruct's default system turn makes every RL prompt longer than the GRPO default leaves room for:
+    a config error before any job, naming the key and the length that fits."""
+    qwen = make("qwen2", tmp_path / "qwen", tokenizer="qwen2-instruct")
+    stages = [f"sft.init_from=hf:{qwen}", "run.stages=[data_prep,sft,rlhf]", f"run.root={tmp_path / 'runs'}"]
+    with pytest.raises(
+        ConfigError, match=r"^rlhf\.seq_length=32: the generated task's prompts .* raise it to \d+"
+    ):
+        load(stages, inputs=True)
+    load([*stages, "rlhf.seq_length=64"], inputs=True)  # room for them: the pre-flight passes
+    with pytest.raises(ConfigError, match=r"^sft\.seq_length=8: .*every sft example would lose"):
+        load([*stages, "rlhf.seq_length=64", "sft.seq_length=8"], inputs=True)
+
+
+def test_a_template_that_cannot_render_prompts_is_a_config_error(llama: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}{{ raise_exception('no turns') }}")
+    runs = f"run.root={tmp_path / 'runs'}"
+    with pytest.raises(ConfigError, match=r"data\.chat_template=.*bad\.jinja.*cannot render .*no turns"):
+        load(["run.stages=[data_prep,sft]", f"data.chat_template={bad}", runs], inputs=True)
+    # the project template on a tokenizer used unchanged that lacks its role tokens
+    with pytest.raises(
+        ConfigError, match=r"data\.chat_template='project': .*lacks: set data\.chat_template=tokenizer"
+    ):
+        load(
+            ["run.stages=[data_prep,sft]", f"data.tokenizer_path={llama}", "model.vocab_size=null", runs],
+            inputs=True,
+        )

@@ -1,7 +1,9 @@
 """Tiny random Hugging Face models for the conversion tests, built locally (no hub access).
 
 ``tokenizer="llama3"``: a Llama-3-style tokenizer (its own special tokens and chat template, none of the
-pipeline's role tokens) instead of the pipeline-style one. ``llama3`` : Llama-3 style: GQA (4 heads, 2 KV heads), RMSNorm, SwiGLU, RoPE with llama3 scaling
+pipeline's role tokens) instead of the pipeline-style one; ``tokenizer="chatml"``: a Qwen2-style one
+(ChatML template, ``<|im_end|>`` as eos, none of the pipeline's role tokens); ``"qwen2-instruct"``: the same
+with Qwen2-Instruct's default system turn. ``llama3`` : Llama-3 style: GQA (4 heads, 2 KV heads), RMSNorm, SwiGLU, RoPE with llama3 scaling
 (factor 32), untied embeddings. ``qwen2``: Qwen2 style: query/key/value biases, tied embeddings, a
 vocabulary that TP=2 must pad. Both fp32, hidden 64, 2 layers.
 """
@@ -104,6 +106,66 @@ def make_llama3_tokenizer(out: Path, vocab_size: int = 320) -> int:
     return int(tok.get_vocab_size(with_added_tokens=True))
 
 
+CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML as Qwen's templates write it (here without a default system turn)."""
+
+QWEN2_INSTRUCT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""Qwen2-Instruct's chat template (ChatML; a default system turn when the conversation has none)."""
+
+
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+"""Qwen2's pre-tokenizer pattern (its tokenizer.json; transformers' Qwen2Tokenizer)."""
+
+
+def make_chatml_tokenizer(out: Path, vocab_size: int = 320, template: str = CHATML_TEMPLATE) -> int:
+    """A Qwen2-style tokenizer: byte-level BPE after Qwen2's pre-tokenizer (digits one per token), ChatML's
+    special tokens (no pipeline role token), eos ``<|im_end|>`` (end of turn), pad ``<|endoftext|>``, no bos,
+    and ``template``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()  # Qwen2's own pipeline (transformers' Qwen2Tokenizer builds the same)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    text = [f"What comes after {i}? {i + 1}. The system, the user and the assistant." for i in range(300)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=CHATML_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = template
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    return int(tok.get_vocab_size(with_added_tokens=True))
+
+
+TOKENIZERS = {
+    "llama3": make_llama3_tokenizer,
+    "chatml": make_chatml_tokenizer,
+    "qwen2-instruct": lambda out: make_chatml_tokenizer(out, template=QWEN2_INSTRUCT_TEMPLATE),
+}
+"""``make(tokenizer=...)``: the published-style tokenizers (else the pipeline-style ``make_tokenizer``)."""
+
+
 def make(
     kind: str, out: Path, seed: int = 0, vocab_size: int | None = None, tokenizer: str = "pipeline"
 ) -> Path:
@@ -113,16 +175,20 @@ def make(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tok_size = make_llama3_tokenizer(out) if tokenizer == "llama3" else make_tokenizer(out)
+    tok_size = TOKENIZERS.get(tokenizer, make_tokenizer)(out)
     special: dict[str, Any] = {}
-    if tokenizer == "llama3":
+    if tokenizer in TOKENIZERS:
         from tokenizers import Tokenizer
 
         t = Tokenizer.from_file(str(out / "tokenizer.json"))
-        special = {
-            "bos_token_id": t.token_to_id("<|begin_of_text|>"),
-            "eos_token_id": [t.token_to_id("<|end_of_text|>"), t.token_to_id("<|eot_id|>")],
-        }
+        special = (
+            {
+                "bos_token_id": t.token_to_id("<|begin_of_text|>"),
+                "eos_token_id": [t.token_to_id("<|end_of_text|>"), t.token_to_id("<|eot_id|>")],
+            }
+            if tokenizer == "llama3"
+            else {"eos_token_id": [t.token_to_id("<|im_end|>"), t.token_to_id("<|endoftext|>")]}
+        )
     torch.manual_seed(seed)
     cls: Any
     if kind == "llama3":

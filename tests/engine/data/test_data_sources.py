@@ -8,15 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.data.datasets import (
-    Tokenizer,
-    collate,
-    preference_source,
-    pretrain_source,
-    sample_range,
-    sft_source,
-    valid_source,
-)
+from engine.data.chat import preference_source, sft_source
+from engine.data.datasets import Tokenizer, collate, pretrain_source, sample_range, valid_source
+from engine.data.truncation import stage_limit
 from stages import data_prep, tasks
 
 TEXT = [
@@ -83,11 +77,49 @@ def test_sft_packs_whole_examples_into_rows(tok: Tokenizer, data_dir: Path) -> N
         assert r["tokens"][0] == tok.user and r["loss_mask"][r["labels"] == tok.user].sum() == 0
 
 
-def test_sft_truncates_long_examples_with_a_count(tok: Tokenizer, data_dir: Path) -> None:
+def test_sft_truncation_counts_cut_examples_and_leaves_out_those_without_a_trained_token(
+    tok: Tokenizer, data_dir: Path
+) -> None:
+    recs = [json.loads(line) for line in (data_dir / "sft.jsonl").read_text().splitlines()]
+    prompts = [len(tok.encode(f"<|user|>{r['prompt']}<|assistant|>")) for r in recs]
+    whole = [p + len(tok.encode(r["response"])) + 1 for p, r in zip(prompts, recs)]
+    seq = max(prompts) - 1  # the longest prompts fill the row
+    emptied = sum(p > seq for p in prompts)  # label j is token j + 1: a prompt of seq + 1 leaves nothing
+    assert 0 < emptied < len(recs)
     with pytest.warns(UserWarning, match="truncated"):
-        src = sft_source(data_dir / "sft.jsonl", tok, 8, seed=0, pack=False)
-    assert src.num_truncated == len(src)
-    assert src[0]["tokens"].shape == (8,)
+        src = sft_source(data_dir / "sft.jsonl", tok, seq, seed=0, pack=False)
+    assert src.truncation is not None and src.truncation.as_dict() == {
+        "what": "examples",
+        "examples": len(recs),
+        "truncated": sum(w > seq + 1 for w in whole),
+        "emptied": emptied,
+        "seq_length": seq,
+        "needed": max(whole) - 1,
+    }
+    assert len(src) == len(recs) - emptied and src[0]["tokens"].shape == (seq,)
+    assert all(src.fetch(j)["loss_mask"].sum() > 0 for j in range(len(src)))
+    share = emptied / len(recs)
+    with pytest.raises(ValueError, match=r"raise sft\.seq_length .*or raise sft\.max_truncated_fraction"):
+        sft_source(data_dir / "sft.jsonl", tok, seq, seed=0, limit=stage_limit("sft", share / 2))
+    sft_source(data_dir / "sft.jsonl", tok, seq, seed=0, limit=stage_limit("sft", share))  # at the limit
+    with pytest.raises(
+        ValueError, match=rf"all {len(recs)} examples lose every trained token .*sft\.seq_length=8"
+    ):
+        sft_source(data_dir / "sft.jsonl", tok, 8, seed=0, limit=stage_limit("sft", 1.0))
+
+
+def test_preference_pairs_left_without_a_reply_token_are_left_out(tok: Tokenizer, data_dir: Path) -> None:
+    recs = [json.loads(line) for line in (data_dir / "pref.jsonl").read_text().splitlines()]
+    prompts = [len(tok.encode(f"<|user|>{r['prompt']}<|assistant|>")) for r in recs]
+    seq = max(prompts) - 1
+    emptied = sum(p > seq for p in prompts)
+    src = preference_source(data_dir / "pref.jsonl", tok, seq, seed=0)
+    assert (
+        src.truncation is not None and src.truncation.emptied == emptied and len(src) == len(recs) - emptied
+    )
+    assert all((src.fetch(j)["loss_mask"].sum(-1) > 0).all() for j in range(len(src)))
+    with pytest.raises(ValueError, match=r"preference pairs .*raise rlhf\.seq_length"):
+        preference_source(data_dir / "pref.jsonl", tok, seq, seed=0, limit=stage_limit("rlhf", 0.0))
 
 
 def test_preference_pairs_differ_only_in_response(tok: Tokenizer, data_dir: Path) -> None:
@@ -164,3 +196,14 @@ def test_valid_source_of_an_empty_dataset_is_none(tok: Tokenizer, tmp_path: Path
     data_prep.write_shard(tok, [], tmp_path / "shard", np.uint16)
     data_prep.merge_shards([tmp_path / "shard"], tmp_path / "text_valid", np.uint16)
     assert valid_source(tmp_path / "text_valid", tok, 16, seed=0) is None
+
+
+def test_max_truncated_fraction_has_a_domain_and_pretrain_does_not_read_it() -> None:
+    from pipeline.cli.compose import load
+    from pipeline.schema.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^sft\.max_truncated_fraction=1\.5: must be .* <= 1"):
+        load(["sft.max_truncated_fraction=1.5"], inputs=False)
+    with pytest.raises(ConfigError, match=r"^pretrain\.max_truncated_fraction=0\.5: pretrain cuts nothing"):
+        load(["pretrain.max_truncated_fraction=0.5"], inputs=False)
+    assert load(["rlhf.max_truncated_fraction=0.5"], inputs=False).rlhf.max_truncated_fraction == 0.5

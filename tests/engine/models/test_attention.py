@@ -66,12 +66,23 @@ def test_packing_changes_no_examples_loss(tmp_path: Path) -> None:
 
 
 class _FakeTokenizer:
-    """Just what sft_source needs: special ids and encode_batch (text "3 17 5" -> ids [3, 17, 5])."""
+    """Just what sft_source needs: special tokens and encode_batch (text "<|user|>3 17 5" -> ids [2, 3, 17, 5])."""
 
-    eod, pad, user, assistant = 0, 1, 2, 3
+    eod, pad = 0, 1
+    special_tokens = {
+        "eod": "<|endoftext|>",
+        "pad": "<|pad|>",
+        "user": "<|user|>",
+        "assistant": "<|assistant|>",
+    }
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [[int(t) for t in text.split()] for text in texts]
+        out = []
+        for text in texts:
+            for i, token in enumerate(self.special_tokens.values()):
+                text = text.replace(token, f" {i} ")
+            out.append([int(t) for t in text.split()])
+        return out
 
 
 def _models(tp: int, position: str, tie: bool = True) -> dict[str, Any]:
@@ -162,7 +173,7 @@ def _packing(tmp: Path) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from engine.data.datasets import sft_source
+    from engine.data.chat import sft_source
     from engine.models.gpt import unwrap
     from engine.train.steps import _per_token_nll
 

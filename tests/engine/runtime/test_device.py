@@ -89,7 +89,7 @@ SCRIPT = textwrap.dedent(
 
     class Tok:
         pad, eod, vocab_size = 1, 0, vocab
-        def prompt_ids(self, prompt):
+        def encode(self, text):
             return [5, 6, 7]
         def decode(self, ids):
             return ""
