@@ -23,7 +23,7 @@ from typing import Any
 
 from pipeline.schema.compose import CONF_DIR
 from pipeline.schema.config import ModelConfig, PipelineConfig
-from pipeline.schema.errors import ConfigError
+from pipeline.schema.errors import ConfigError, missing
 from pipeline.schema.graph import TRAIN_STAGES
 
 ROLE_TOKENS = ("<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>")
@@ -73,7 +73,7 @@ def apply(pc: PipelineConfig) -> PipelineConfig:
         )
     hf_dir = dirs.pop()
     if not hf_dir.is_dir():
-        raise ConfigError(f"{key}={value!r}: no such directory")
+        raise ConfigError(f"{key}={value!r}: {missing(Path(value[3:]).expanduser(), 'directory')}")
     try:
         values = arch_values(read_config(hf_dir), str(hf_dir / "config.json"))
     except HFConfigError as e:
