@@ -30,6 +30,7 @@ from pipeline.schema.build import from_dict
 from pipeline.schema.config import PipelineConfig
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.graph import LM_STAGES
+from pipeline.submit.provenance import hf_source
 
 
 def run_config(run_dir: Path) -> PipelineConfig:
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer_dir,
             tolerance=args.tolerance or TOLERANCE,
             threads=cfg.eval.threads,
+            source=hf_source(run_dir, cfg),
         )
     except HFConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
