@@ -2,7 +2,8 @@
 
 Writes ``DIR`` (default ``<run_dir>/export/<stage>``): config.json, model-XXXXX-of-YYYYY.safetensors with
 model.safetensors.index.json, the run's tokenizer files (tokenizer.json, tokenizer_config.json with the chat
-template), generation_config.json and export_manifest.json. The stage defaults to the last completed
+template), generation_config.json and export_manifest.json (a run from ``hf:<dir>`` keeps that model's
+``pad_token_id``: provenance/hf_source). The stage defaults to the last completed
 training stage (rlhf, sft, pretrain). The checkpoint may have been saved under any parallel layout.
 
 Every export checks itself: transformers loads the directory on CPU and its logits on a fixed batch are
