@@ -89,7 +89,7 @@ class MetricsWriter:
             return
         record = {"time": time.time(), **record}
         line = json.dumps(record, default=float) + "\n"
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # mode: the umask decides
         try:
             os.write(fd, line.encode())
         finally:

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.records.files import follow_umask
 from pipeline.schema.config import ModelConfig
 
 MANIFEST = "export_manifest.json"
@@ -65,6 +66,15 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write ``tensors`` to the safetensors file ``path`` with the mode of the export's other files (the
+    library creates it 0600: nobody else could load the model)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    follow_umask(path)
+
+
 class ShardWriter:
     """Safetensors shards written as they fill: ``add(name, tensor)`` keeps tensors until the next one would
     take the shard past ``max_shard_bytes``, then writes the shard (``model-XXXXX.safetensors.part``);
@@ -91,10 +101,8 @@ class ShardWriter:
         self.total += nbytes
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         fname = f"model-{len(self.files) + 1:05d}.safetensors.part"
-        save_file(self.part, str(self.out / fname), metadata={"format": "pt"})
+        save_safetensors(self.part, self.out / fname)
         self.weight_map |= {k: fname for k in self.part}
         self.files.append(fname)
         self.part, self.size = {}, 0
@@ -297,6 +305,18 @@ def _tokenizer_files(tokenizer_dir: Path, out: Path) -> dict[str, Any]:
     return {"copied": copied, "ids": ids, "stop": stop}
 
 
+def pad_entry(pad: int, source: Path | None, name: str) -> dict[str, Any]:
+    """The ``pad_token_id`` entry of the exported ``name`` (config.json, generation_config.json): a model that
+    started from a Hugging Face directory keeps that model's entry as it was (absent stays absent, null stays
+    null; its config.json's when it has no ``name``), any other the tokenizer's pad id."""
+    if source is not None:
+        for f in (name, "config.json"):
+            if (source / f).is_file():
+                data = json.loads((source / f).read_text())
+                return {"pad_token_id": data["pad_token_id"]} if "pad_token_id" in data else {}
+    return {"pad_token_id": pad}
+
+
 def _batch(vocab: int, seq: int) -> torch.Tensor:
     rng = np.random.default_rng(1234)
     return torch.tensor(rng.integers(0, vocab, size=(2, min(seq, 32))), dtype=torch.long)
@@ -311,9 +331,11 @@ def export(
     tolerance: float = TOLERANCE,
     max_shard_bytes: int = 2 << 30,
     threads: int = 2,
+    source: Path | None = None,
 ) -> dict[str, Any]:
     """Write and verify the Hugging Face directory ``out``; returns the manifest. One process, one rank
-    (plus the two check processes)."""
+    (plus the two check processes). ``source``: the config.json (and generation_config.json) of the Hugging
+    Face model the run started from, whose ``pad_token_id`` the export keeps (:func:`pad_entry`)."""
     from engine.checkpoint.load import require_committed
     from engine.data.datasets import load_tokenizer
     from engine.models.hf_weights import to_hf_tensors
@@ -341,12 +363,13 @@ def export(
         extra = {
             "eos_token_id": eos,
             "bos_token_id": bos,
-            "pad_token_id": pad,
+            **pad_entry(pad, source, "config.json"),
             "torch_dtype": str(dtype).split(".")[-1],
         }
         (tmp / "config.json").write_text(json.dumps(to_hf_config(model, vocab, extra), indent=2))
         stop = tok["stop"][0] if len(tok["stop"]) == 1 else tok["stop"]
-        gen = {"eos_token_id": stop, "pad_token_id": pad, "bos_token_id": bos, "do_sample": False}
+        gen = {"eos_token_id": stop, **pad_entry(pad, source, "generation_config.json")}
+        gen |= {"bos_token_id": bos, "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         tokens = _batch(vocab, model.seq_length)
         ours = megatron_logits(model, Path(checkpoint), tokens, vocab, threads)

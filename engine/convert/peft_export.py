@@ -36,6 +36,7 @@ from engine.convert.hf_export import (
     commit_checked,
     export,
     fresh_logits,
+    save_safetensors,
 )
 from pipeline.schema.config import ModelConfig
 from pipeline.schema.sections import ParallelConfig
@@ -97,8 +98,10 @@ def export_peft(
     *,
     tolerance: float = TOLERANCE,
     threads: int = 2,
+    source: Path | None = None,
 ) -> dict[str, Any]:
-    """Write and verify the PEFT adapter directory ``out`` of LoRA checkpoint ``checkpoint``; the manifest."""
+    """Write and verify the PEFT adapter directory ``out`` of LoRA checkpoint ``checkpoint``; the manifest.
+    ``source``: as for :func:`export` (a checkpoint base's export keeps that model's pad_token_id)."""
     from engine.checkpoint.load import load_tensors, load_weights
     from engine.data.datasets import load_tokenizer
     from engine.models.gpt import build_model, unwrap
@@ -126,7 +129,7 @@ def export_peft(
         else:  # a checkpoint of this project (maybe itself LoRA, then merged): its own verified export
             base_dir = out / "base"
             base_manifest = export(
-                model, base, tmp / "base", tokenizer_dir, tolerance=tolerance, threads=threads
+                model, base, tmp / "base", tokenizer_dir, tolerance=tolerance, threads=threads, source=source
             )
         par = ParallelConfig(micro_batch_size=1, global_batch_size=1, precision="fp32")
         D.init(1, 1, None, seed=0, threads=threads)
@@ -142,9 +145,7 @@ def export_peft(
                 ours = gpt(tokens, pos, None)[..., :vocab].float()
         finally:
             D.shutdown()
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / ADAPTER_WEIGHTS)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(rec, modules, base_dir), indent=2))
         tok = _tokenizer_files(Path(tokenizer_dir), tmp)
         real_base = tmp / "base" if base_manifest is not None else base_dir

@@ -2,7 +2,8 @@
 
 Writes ``DIR`` (default ``<run_dir>/export/<stage>``): config.json, model-XXXXX-of-YYYYY.safetensors with
 model.safetensors.index.json, the run's tokenizer files (tokenizer.json, tokenizer_config.json with the chat
-template), generation_config.json and export_manifest.json. The stage defaults to the last completed
+template), generation_config.json and export_manifest.json (a run from ``hf:<dir>`` keeps that model's
+``pad_token_id``: provenance/hf_source). The stage defaults to the last completed
 training stage (rlhf, sft, pretrain). The checkpoint may have been saved under any parallel layout.
 
 Every export checks itself: transformers loads the directory on CPU and its logits on a fixed batch are
@@ -30,6 +31,7 @@ from pipeline.schema.build import from_dict
 from pipeline.schema.config import PipelineConfig
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.graph import LM_STAGES
+from pipeline.submit.provenance import hf_source
 
 
 def run_config(run_dir: Path) -> PipelineConfig:
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer_dir,
             tolerance=args.tolerance or TOLERANCE,
             threads=cfg.eval.threads,
+            source=hf_source(run_dir, cfg),
         )
     except HFConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

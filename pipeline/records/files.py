@@ -4,6 +4,9 @@ Bottom layer: imports nothing from the project, so the engine, the stages and or
 
 - ``atomic_write_text`` / ``atomic_write_bytes`` / ``atomic_write``: temp file in the same folder, fsync,
   ``os.replace``, fsync of the folder: a reader sees the old file or the new one, never a part.
+- ``follow_umask``: a file a library created private (safetensors writes 0600) gets the mode ``open()`` gives
+  every other file of the run: 0666 minus the umask, so colleagues and servers under another user can read
+  what the run's umask lets them read.
 - ``locked``: an exclusive POSIX record lock (``fcntl.lockf``) on a lock file. Record locks are what shared
   cluster filesystems honour across nodes (NFS through lockd/NLM or v4 locks, Lustre mounted with
   ``flock``: ``localflock`` only locks within one node, GPFS); ``flock(2)`` is not forwarded by every NFS
@@ -64,6 +67,22 @@ def atomic_write(
         fsync_dir(path.parent)
 
 
+def umask() -> int:
+    """This process's umask, read without changing it (Linux's /proc/self/status; elsewhere set and put back)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path | str) -> None:
+    """Give ``path`` the mode a file made by ``open()`` has: 0666 minus the umask."""
+    os.chmod(path, 0o666 & ~umask())
+
+
 def atomic_write_text(path: Path | str, text: str, *, durable: bool = True) -> None:
     """Write ``text`` to ``path`` atomically (readers see the old or the new file)."""
     atomic_write(path, lambda f: f.write(text), durable=durable)
@@ -117,7 +136,7 @@ def locked(lock_path: Path | str) -> Iterator[None]:
     with mutex:
         if state[0] == 0:
             Path(key).parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(key, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(key, os.O_RDWR | os.O_CREAT, 0o666)  # mode: the umask decides
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX)
             except OSError as e:

@@ -116,7 +116,8 @@ class Ledger:
         rec = {"time": time.time(), "event": kind, "stage": stage, "host": socket.gethostname(), **data}
         line = json.dumps(rec, default=str) + "\n"
         with self.lock():
-            fd = os.open(self.events_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            # mode 0666: the umask decides, as for every other file of the run
+            fd = os.open(self.events_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
             try:
                 size = os.fstat(fd).st_size
                 if size and os.pread(fd, 1, size - 1) != b"\n":

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.schema.config import ModelConfig, PipelineConfig
-from pipeline.schema.errors import ConfigError
+from pipeline.schema.errors import ConfigError, missing
 from pipeline.schema.graph import TRAIN_STAGES
 from pipeline.schema.origins import HF, Origin, Origins
 
@@ -61,7 +61,7 @@ def apply(pc: PipelineConfig, origins: Origins) -> tuple[PipelineConfig, Origins
         )
     hf_dir = dirs.pop()
     if not hf_dir.is_dir():
-        raise ConfigError(f"{key}={value!r}: no such directory")
+        raise ConfigError(f"{key}={value!r}: {missing(Path(value[3:]).expanduser(), 'directory')}")
     config_json = hf_dir / "config.json"
     try:
         values = arch_values(read_config(hf_dir), str(config_json))

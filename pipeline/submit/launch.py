@@ -159,11 +159,17 @@ def make_executor(
 
 
 def sbatch_script(cfg: PipelineConfig, stage: str, run_dir: Path, code_dir: Path | None = None) -> str:
-    """The sbatch script ``cluster=slurm`` would submit for ``stage`` (dry run; needs no SLURM)."""
+    """The sbatch script ``cluster=slurm`` would submit for ``stage`` (dry run): rendered by submitit's own
+    SlurmExecutor, which needs no SLURM for that, only its constructor looks for ``srun``."""
     import submitit
 
+    class Renderer(submitit.SlurmExecutor):  # type: ignore[misc]
+        @classmethod
+        def affinity(cls) -> int:  # submitit's "is srun on PATH": rendering a script needs no SLURM
+            return 1
+
     plan = stage_plan(cfg, stage)
-    ex = submitit.SlurmExecutor(folder=job_folder(run_dir, stage) / "%j", python="python3")
+    ex = Renderer(folder=job_folder(run_dir, stage) / "%j", python="python3")
     ex.update_parameters(**slurm_parameters(cfg, stage, plan, code_dir))
     return str(ex._make_submission_file_text(ex._submitit_command_str, "dry-run"))
 

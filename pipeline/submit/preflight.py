@@ -14,14 +14,17 @@ import glob
 import json
 import os
 import re
+import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pipeline.schema.config import ModelConfig, PipelineConfig, TrainStage
-from pipeline.schema.errors import ConfigError
-from pipeline.schema.graph import STAGES, TRAIN_STAGES, order, required
+from pipeline.schema.errors import ConfigError, missing, resolved_against
+from pipeline.schema.graph import STAGES, TRAIN_STAGES, order, required, spec
 from pipeline.schema.identity import run_dir_for, stage_hashes
+from pipeline.schema.layout import stage_plan
 
 Check = Callable[[PipelineConfig, str], None]
 CHECKS: dict[str, list[Check]] = {}
@@ -77,7 +80,7 @@ def _fail(key: str, value: Any, why: str) -> None:
 def check_file(key: str, value: str, path: Path, *, nonempty: bool = True) -> None:
     """``path`` exists, is a regular file, is readable and (``nonempty``) holds something."""
     if not path.exists():
-        _fail(key, value, f"{path} does not exist")
+        _fail(key, value, missing(path))
     if not path.is_file():
         _fail(key, value, f"{path} is not a file")
     if not os.access(path, os.R_OK):
@@ -88,7 +91,7 @@ def check_file(key: str, value: str, path: Path, *, nonempty: bool = True) -> No
 
 def check_dir(key: str, value: str, path: Path) -> None:
     if not path.exists():
-        _fail(key, value, f"{path} does not exist")
+        _fail(key, value, missing(path))
     if not path.is_dir():
         _fail(key, value, f"{path} is not a directory")
     if not os.access(path, os.R_OK | os.X_OK):
@@ -169,7 +172,7 @@ def text_files(cfg: PipelineConfig) -> list[Path]:
         if glob.has_magic(pat):
             hits = sorted(Path(p) for p in glob.glob(pat, recursive=True) if Path(p).is_file())
             if not hits:
-                _fail(key, pat, "the pattern matches no file")
+                _fail(key, pat, "the pattern matches no file" + resolved_against(pat))
         else:
             hits = [Path(pat)]
         for h in hits:
@@ -179,6 +182,21 @@ def text_files(cfg: PipelineConfig) -> list[Path]:
             if h not in files:
                 files.append(h)
     return files
+
+
+@reads("data_prep")
+def _users_data(cfg: PipelineConfig, stage: str) -> None:  # before _corpus: its estimate reads these files
+    """corpus=sources, data.sft_paths, data.pref_paths: every file exists, is readable and not empty, its first
+    record parses and holds the source's field (pipeline.schema.data_identity.check_data_inputs)."""
+    d = cfg.data
+    if d.corpus != "sources" and not d.sft_paths and not d.pref_paths:
+        return
+    from engine.data.formats import check_chat_file, check_source
+    from pipeline.schema.data_identity import check_data_inputs
+
+    problems = check_data_inputs(cfg, check_source, check_chat_file)
+    if problems:
+        raise ConfigError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 
 
 @reads("data_prep")
@@ -229,21 +247,6 @@ def _corpus_size(cfg: PipelineConfig, enough: int) -> tuple[int, int, str, Any]:
     if d.max_corpus_mb is not None:
         size, key, value = min(size, int(d.max_corpus_mb * 1e6)), "data.max_corpus_mb", d.max_corpus_mb
     return size, 0, key, value
-
-
-@reads("data_prep")
-def _users_data(cfg: PipelineConfig, stage: str) -> None:
-    """corpus=sources, data.sft_paths, data.pref_paths: every file exists, is readable and not empty, its first
-    record parses and holds the source's field (pipeline.schema.data_identity.check_data_inputs)."""
-    d = cfg.data
-    if d.corpus != "sources" and not d.sft_paths and not d.pref_paths:
-        return
-    from engine.data.formats import check_chat_file, check_source
-    from pipeline.schema.data_identity import check_data_inputs
-
-    problems = check_data_inputs(cfg, check_source, check_chat_file)
-    if problems:
-        raise ConfigError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 
 
 @reads("data_prep")
@@ -381,7 +384,7 @@ PROMPT_STAGES = ("data_prep", "sft", "reward_model", "rlhf", "eval")
 @reads(*PROMPT_STAGES)
 def _prompts(cfg: PipelineConfig, stage: str) -> None:
     """Every stage that builds prompts renders them with ``data.chat_template`` (engine.data.chat): the
-    template loads and renders a user/assistant conversation as SFT, DPO, the reward model, RL and eval
+    template (a file: it is there to read) loads and renders a user/assistant conversation as SFT, DPO, the reward model, RL and eval
     use it; the project template needs the tokenizer's role tokens; and, where the tokenizer is known
     before any job (a Hugging Face tokenizer used unchanged, or data_prep's from an earlier command), the
     generated task's shortest prompt leaves room in the sequence length of every stage that reads it
@@ -393,6 +396,8 @@ def _prompts(cfg: PipelineConfig, stage: str) -> None:
     from engine.data import chat
 
     d = cfg.data
+    if d.chat_template not in ("project", "tokenizer"):  # a template file: there to read
+        check_file("data.chat_template", d.chat_template, Path(d.chat_template).expanduser())
     tok = _known_tokenizer(cfg)
     special = tok.special_tokens if tok is not None else {"eod": "<|endoftext|>"}
     try:
@@ -621,3 +626,48 @@ def check_shape(key: str, value: str, ckpt: Path, cfg: PipelineConfig) -> None:
             f"the checkpoint's vocabulary has {old} tokens, this run's {new} (model.vocab_size / "
             f"data.vocab_size): use the same tokenizer and vocabulary as the run that saved it ({run_dir})",
         )
+
+
+# ---------------------------------------------------------------------------- the machine a local run uses
+
+
+def local_gpus(dev: Path = Path("/dev"), smi: str | None = "nvidia-smi") -> int | None:
+    """GPUs this machine shows, without importing torch: NVIDIA's device files ``/dev/nvidia<N>``, else the
+    lines of ``nvidia-smi -L`` (``smi``); None where a GPU may be there that neither counts (ROCm's
+    ``/dev/kfd``, WSL's ``/dev/dxg``)."""
+    found = sum(1 for p in dev.glob("nvidia*") if p.name[len("nvidia") :].isdigit())
+    if found:
+        return found
+    if (dev / "kfd").exists() or (dev / "dxg").exists():
+        return None
+    exe = shutil.which(smi) if smi else None
+    if exe is None:
+        return 0
+    try:
+        r = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for ln in r.stdout.splitlines() if ln.startswith("GPU ")) if r.returncode == 0 else 0
+
+
+@reads(*STAGES)
+def _local_gpus(cfg: PipelineConfig, stage: str) -> None:
+    """``cluster.gpus_per_node`` > 0 with the local or debug executor: this machine has a GPU per rank of the
+    stage (else its ranks would train on the CPU without a word). SLURM jobs run elsewhere: not checked."""
+    c = cfg.cluster
+    if c.executor == "slurm" or not spec(stage).torch:
+        return
+    want = stage_plan(cfg, stage).gpus_per_node
+    have = local_gpus() if want else None
+    if have is None or have >= want:
+        return
+    ranks = f"{want} ranks, each on its own GPU," if want > 1 else "its rank on a GPU"
+    found = (
+        f"{have} GPU{'s' if have > 1 else ''}" if have else "no GPU (no /dev/nvidia<N> device, no nvidia-smi)"
+    )
+    _fail(
+        "cluster.gpus_per_node",
+        c.gpus_per_node,
+        f"{stage} would run {ranks} on this machine (cluster.executor={c.executor}), which has {found}: set "
+        "cluster.gpus_per_node=0 to train on the CPU, or submit to GPU nodes (cluster=slurm)",
+    )

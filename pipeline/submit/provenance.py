@@ -24,6 +24,10 @@ KEY_PACKAGES = (
     "mpi4py",
 )
 REPO_ROOT = Path(__file__).resolve().parents[2]
+HF_SOURCE = "hf_source"
+"""provenance/hf_source/: config.json and generation_config.json of the Hugging Face model the run starts from
+(``hf:<dir>``) as they were when it was submitted; its export keeps that model's pad_token_id."""
+HF_SOURCE_FILES = ("config.json", "generation_config.json")
 
 
 def git_state(repo: Path = REPO_ROOT) -> dict[str, object]:
@@ -50,7 +54,8 @@ def package_versions() -> dict[str, str]:
 
 
 def write_provenance(cfg: PipelineConfig, run_dir: Path) -> Path:
-    """Write provenance/{config.json,git.json,packages.json}; the newest submission's set replaces the last."""
+    """Write provenance/{config.yaml,git.json,packages.json} (and hf_source/ for a run from ``hf:<dir>``); the
+    newest submission's set replaces the last."""
     from omegaconf import OmegaConf
 
     d = Path(run_dir) / "provenance"
@@ -62,4 +67,26 @@ def write_provenance(cfg: PipelineConfig, run_dir: Path) -> Path:
     summary = {k: pkgs.get(k) for k in KEY_PACKAGES}
     info = {"python": sys.version, "platform": platform.platform(), "key": summary, "all": pkgs}
     atomic_write_text(d / "packages.json", json.dumps(info, indent=2))
+    model_dir = hf_model_dir(cfg)
+    for name in HF_SOURCE_FILES:
+        if model_dir is not None and (model_dir / name).is_file():
+            atomic_write_text(d / HF_SOURCE / name, (model_dir / name).read_text(encoding="utf-8"))
     return d
+
+
+def hf_model_dir(cfg: PipelineConfig) -> Path | None:
+    """The Hugging Face directory the run's model comes from (``hf:<dir>``; pipeline.schema.hf_model)."""
+    from pipeline.schema.hf_model import refs
+
+    found = refs(cfg)
+    return Path(next(iter(found.values()))[len("hf:") :]).expanduser() if found else None
+
+
+def hf_source(run_dir: Path, cfg: PipelineConfig) -> Path | None:
+    """Where the config.json of the Hugging Face model the run started from is: provenance's copy, else the
+    directory itself (a run submitted before copies were kept); None for a model of the run's own."""
+    kept = Path(run_dir) / "provenance" / HF_SOURCE
+    if (kept / "config.json").is_file():
+        return kept
+    model_dir = hf_model_dir(cfg)
+    return model_dir if model_dir is not None and (model_dir / "config.json").is_file() else None
