@@ -290,6 +290,7 @@ def test_run_identity_classifies_every_schema_field() -> None:
                 included |= {f"{stage}.{k}.{x}" for x in v}
             else:
                 included.add(f"{stage}.{k}")
+    included |= {f"model.{f.name}" for f in dataclasses.fields(pc.model) if identity.hashed_when_set(f.name)}
     unclassified, both = [], []
     for leaf in _leaves("", pc):
         parts = leaf.split(".")
