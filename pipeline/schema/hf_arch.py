@@ -202,7 +202,10 @@ def moe_values(hf: dict[str, Any], family: Family, where: str = "config.json") -
     layers = hf["num_hidden_layers"]
     pattern = _moe_pattern(hf, layers, where) if ex.sparse_step else [1] * layers
     if not any(pattern):
-        raise HFConfigError(f"{where}: mlp_only_layers / decoder_sparse_step leave no MoE layer")
+        raise HFConfigError(
+            f"{where}: mlp_only_layers={hf.get('mlp_only_layers')!r}: with decoder_sparse_step="
+            f"{hf.get('decoder_sparse_step', 1)} no MoE layer is left"
+        )
     shared = _int(hf, where, "shared_expert_intermediate_size") if ex.shared else None
     return {
         "num_experts": experts,
