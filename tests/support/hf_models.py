@@ -178,7 +178,12 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3Moe", {**MOE, "head_dim": 24, "norm_topk_prob": True, "tie_word_embeddings": False}),
     "mixtral": (
         "Mixtral",
-        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "tie_word_embeddings": True},
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "tie_word_embeddings": True,
+        },
     ),
     "qwen2_moe": (
         "Qwen2Moe",

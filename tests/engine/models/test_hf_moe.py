@@ -94,7 +94,9 @@ def test_unsupported_router_or_feature_names_the_field(
     models: dict[str, Path], kind: str, field: str, value: Any, says: str
 ) -> None:
     hf = {**config(models, kind), field: value}
-    with pytest.raises(HFConfigError, match=f"{field}={value!r}".replace("[", r"\[").replace("(", r"\(")) as e:
+    with pytest.raises(
+        HFConfigError, match=f"{field}={value!r}".replace("[", r"\[").replace("(", r"\(")
+    ) as e:
         arch_values(hf)
     assert says in str(e.value)
 
@@ -104,16 +106,25 @@ def test_unsupported_router_is_a_config_error_before_any_job(models: dict[str, P
     bad.mkdir()
     for f in models["qwen3_moe"].iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
-    (bad / "config.json").write_text(json.dumps({**config(models, "qwen3_moe"), "n_group": 8, "topk_group": 2}))
+    (bad / "config.json").write_text(
+        json.dumps({**config(models, "qwen3_moe"), "n_group": 8, "topk_group": 2})
+    )
     with pytest.raises(ConfigError, match=r"sft\.init_from=.*n_group=8: a group-limited \(DeepSeek-style\)"):
         load([f"sft.init_from=hf:{bad}", "run.stages=[sft]"], inputs=False)
 
 
 def test_moe_keys_from_config_json_through_the_front_door(models: dict[str, Path]) -> None:
     pc = load([f"sft.init_from=hf:{models['qwen2_moe']}", "run.stages=[sft]"], inputs=False)
-    assert (pc.model.num_experts, pc.model.moe_layer_pattern, pc.model.moe_shared_expert_gate) == (4, [1, 0], True)
+    assert (pc.model.num_experts, pc.model.moe_layer_pattern, pc.model.moe_shared_expert_gate) == (
+        4,
+        [1, 0],
+        True,
+    )
     with pytest.raises(ConfigError, match=r"model\.num_experts=8 contradicts"):
-        load([f"sft.init_from=hf:{models['qwen2_moe']}", "run.stages=[sft]", "model.num_experts=8"], inputs=False)
+        load(
+            [f"sft.init_from=hf:{models['qwen2_moe']}", "run.stages=[sft]", "model.num_experts=8"],
+            inputs=False,
+        )
 
 
 def tokens(vocab: int) -> list[list[int]]:
