@@ -288,7 +288,7 @@ def rank_memory(
     if peft is not None and peft.method == "lora":
         targets = list(peft.target_modules)
         layers = rank_layers(m.num_layers, par.pp, par.vpp, pp_rank)
-        trainable = sum(lora_layer_params(m, peft.rank, targets, par.tp, i, par.ep, etp) for i in layers)
+        trainable = sum(lora_layer_params(m, peft.rank, targets, par.tp, i) for i in layers)
         optimizer = trainable * o // shard
         total = params + trainable
         return RankMemory(pp_rank, total, total * w, trainable * g, optimizer, acts, trainable, experts, sent)

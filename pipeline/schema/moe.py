@@ -178,3 +178,18 @@ def check_moe_layout(model: _MoEModel, par: _ExpertParallel, key: str, tp_dp: in
             f"{key}.etp={etp}: megatron-core supports biases in experts only with etp=1 "
             f"(model.add_bias_linear=true); set {key}.etp=1 or model.add_bias_linear=false"
         )
+
+
+def check_moe_peft(model: Any, peft: Any, key: str) -> None:
+    """LoRA on a MoE model adapts attention, dense MLPs and the shared expert, never the routed experts: MLP
+    targets (linear_fc1/fc2) that would adapt nothing are an error naming ``<stage>.peft.target_modules``."""
+    if not is_moe(model) or peft.method != "lora":
+        return
+    mlp = [t for t in peft.target_modules if t in ("linear_fc1", "linear_fc2")]
+    if mlp and all(moe_layers(model)) and model.moe_shared_expert_intermediate_size is None:
+        attention = [t for t in peft.target_modules if t not in mlp] or ["linear_qkv", "linear_proj"]
+        raise ConfigError(
+            f"{key}.peft.target_modules={list(peft.target_modules)}: every MLP of this MoE model is routed experts, "
+            f"which LoRA does not adapt ({mlp} would adapt nothing); set {key}.peft.target_modules="
+            f"[{','.join(attention)}]"
+        )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pipeline.schema.config import ModelConfig, PipelineConfig
 from pipeline.schema.errors import ConfigError
-from pipeline.schema.moe import expert_ffn, is_moe, moe_layers
+from pipeline.schema.moe import is_moe, moe_layers
 from pipeline.schema.moe_sizes import moe_mlp_params, rank_layers
 
 
@@ -85,21 +85,18 @@ def _lora(rank: int, fan_in: int, fan_out: int, column: bool, tp: int) -> int:
     return rank * fan_in + fan_out * rank // tp if column else rank * fan_in // tp + fan_out * rank
 
 
-def lora_layer_params(
-    m: ModelConfig, rank: int, targets: list[str], tp: int = 1, layer: int = 0, ep: int = 1, etp: int = 1
-) -> int:
+def lora_layer_params(m: ModelConfig, rank: int, targets: list[str], tp: int = 1, layer: int = 0) -> int:
     """LoRA adapter parameters of global layer ``layer`` on one tensor-parallel rank (engine/models/lora.py):
     a column-parallel linear (qkv, fc1) has A (r x in) replicated and B (out x r) split; a row-parallel one
-    (proj, fc2) A split and B replicated. In a MoE layer fc1/fc2 are every linear of that kind: each local
-    routed expert's (split over etp) and the shared expert's (over tp)."""
+    (proj, fc2) A split and B replicated. In a MoE layer fc1/fc2 are the shared expert's (split over tp):
+    the routed experts are never adapted (engine/models/lora.py, ROUTED_EXPERTS)."""
     h, q = m.hidden_size, m.num_attention_heads * _kv_channels(m)
     kv = (m.num_query_groups or m.num_attention_heads) * _kv_channels(m)
     gated = 2 if m.activation == "swiglu" else 1
-    mlps = [(_ffn(m), tp, 1)]  # (width, split, how many)
+    mlps = [(_ffn(m), tp)]  # (width, split) of each adapted MLP
     if moe_layers(m)[layer]:
-        mlps = [(expert_ffn(m), etp, (m.num_experts or 0) // ep)]
-        if m.moe_shared_expert_intermediate_size:
-            mlps.append((m.moe_shared_expert_intermediate_size, tp, 1))
+        shared = m.moe_shared_expert_intermediate_size
+        mlps = [(shared, tp)] if shared else []
     n = 0
     for kind in targets:
         if kind == "linear_qkv":
@@ -107,9 +104,9 @@ def lora_layer_params(
         elif kind == "linear_proj":
             n += _lora(rank, q, h, False, tp)
         elif kind == "linear_fc1":
-            n += sum(k * _lora(rank, h, w * gated, True, t) for w, t, k in mlps)
+            n += sum(_lora(rank, h, w * gated, True, t) for w, t in mlps)
         elif kind == "linear_fc2":
-            n += sum(k * _lora(rank, w, h, False, t) for w, t, k in mlps)
+            n += sum(_lora(rank, w, h, False, t) for w, t in mlps)
     return n
 
 
