@@ -22,7 +22,6 @@ wants: per group the group's query heads, then its key head, then its value head
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,28 +239,13 @@ def iter_hf_tensors(hf_dir: Path, model: ModelConfig) -> Iterator[tuple[str, tor
 
 # ---------------------------------------------------------------------------- loading into the engine's model
 
-_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
-
 
 def _global_name(chunk: Any, local_name: str) -> str:
     """``decoder.layers.<local i>.x`` -> ``decoder.layers.<global layer>.x`` for this chunk, a local expert
-    ``mlp.experts.local_experts.<i>`` -> ``...local_experts.<global expert>``."""
-    m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", local_name)
-    if not m:
-        return local_name
-    layer = chunk.decoder.layers[int(m.group(1))]
-    rest = m.group(2)
-    ex = _LOCAL_EXPERT.match(rest)
-    if ex:
-        rest = f"mlp.experts.local_experts.{layer.mlp.local_expert_indices[int(ex.group(1))]}.{ex.group(2)}"
-    return f"decoder.layers.{layer.layer_number - 1}.{rest}"
+    ``mlp.experts.local_experts.<i>`` -> ``...local_experts.<global expert>`` (engine.models.init_weights)."""
+    from engine.models.init_weights import global_name
 
-
-def _expert_tp() -> tuple[int, int]:
-    """(size, rank) of this rank's expert tensor parallel group."""
-    from megatron.core import parallel_state as ps
-
-    return int(ps.get_expert_tensor_parallel_world_size()), int(ps.get_expert_tensor_parallel_rank())
+    return global_name(chunk, local_name) if local_name.startswith("decoder.layers.") else local_name
 
 
 def load_hf(chunks: list[Any], hf_dir: Path, model: ModelConfig) -> int:
@@ -275,7 +259,7 @@ def load_hf(chunks: list[Any], hf_dir: Path, model: ModelConfig) -> int:
 
     reader = ShardReader(hf_dir)
     table = table_of(str(read_config(hf_dir).get("model_type")))
-    etp, etp_rank = _expert_tp()
+    etp, etp_rank = D.etp_size(), D.etp_rank()
     read = 0
     for chunk in chunks:
         gpt = unwrap(chunk)

@@ -65,7 +65,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     model = model_config(Path(spec["hf_dir"]), seq_length=seq)
     b = len(spec["tokens"])
     par = ParallelConfig(**{"micro_batch_size": b, "global_batch_size": b, **spec.get("parallel", {})})
-    D.init(par.tp, par.pp, par.vpp, seed=1, threads=1)
+    D.init(par.tp, par.pp, par.vpp, ep=par.ep, etp=par.etp, seed=1, threads=1)
     try:
         chunks = build_model(model, par, model.vocab_size or 0)
         read = load_hf(chunks, Path(spec["hf_dir"]), model)
