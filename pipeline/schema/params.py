@@ -52,7 +52,7 @@ def _attention_params(m: ModelConfig, tp: int = 1) -> int:
     h, q = m.hidden_size, m.num_attention_heads * _kv_channels(m)
     kv = (m.num_query_groups or m.num_attention_heads) * _kv_channels(m)
     bias = int(m.add_bias_linear)
-    qkv = (h + bias) * (q + 2 * kv) // tp
+    qkv = (h + int(m.add_bias_linear or m.add_qkv_bias)) * (q + 2 * kv) // tp
     proj = q * h // tp + bias * h
     qk_norm = 2 * _kv_channels(m) * (2 if m.normalization == "LayerNorm" else 1) if m.qk_layernorm else 0
     return qkv + proj + 2 * _norm_params(m) + qk_norm

@@ -154,7 +154,7 @@ _MEGATRON_MOE = textwrap.dedent(
         num_layers=m["num_layers"], hidden_size=m["hidden_size"], num_attention_heads=m["num_attention_heads"],
         num_query_groups=m["num_query_groups"], ffn_hidden_size=m["ffn_hidden_size"], kv_channels=m["kv_channels"],
         normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, qk_layernorm=True, num_moe_experts=m["num_experts"],
+        add_bias_linear=False, add_qkv_bias=True, qk_layernorm=True, num_moe_experts=m["num_experts"],
         moe_router_topk=m["moe_router_topk"], moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
         moe_shared_expert_intermediate_size=m["moe_shared_expert_intermediate_size"],
         moe_shared_expert_gate=True, moe_layer_freq=m["moe_layer_pattern"], use_cpu_initialization=True,
@@ -171,7 +171,7 @@ _MEGATRON_MOE = textwrap.dedent(
 TINY_MOE = ModelConfig(
     num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=24, ffn_hidden_size=96,
     seq_length=32, vocab_size=1000, normalization="RMSNorm", activation="swiglu", position_embedding="rope",
-    add_bias_linear=False, tie_embeddings=False, qk_layernorm=True, num_experts=4, moe_router_topk=2,
+    add_bias_linear=False, add_qkv_bias=True, tie_embeddings=False, qk_layernorm=True, num_experts=4, moe_router_topk=2,
     moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True,
     moe_layer_pattern=[1, 0, 1],
 )  # fmt: skip
@@ -179,7 +179,7 @@ TINY_MOE = ModelConfig(
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 def test_moe_param_count_matches_megatron_gptmodel(tmp_path: Path) -> None:
-    """qk norms, routed experts, a gated shared expert and a dense layer between MoE layers."""
+    """q/k/v biases, q/k norms, routed experts, a gated shared expert and a dense layer between MoE layers."""
     done = subprocess.run(
         [sys.executable, "-c", _MEGATRON_MOE, str(tmp_path / "store"), json.dumps(dataclasses.asdict(TINY_MOE))],
         capture_output=True, text=True, timeout=300, cwd=REPO,
@@ -190,7 +190,9 @@ def test_moe_param_count_matches_megatron_gptmodel(tmp_path: Path) -> None:
 
 def test_moe_layer_params_by_hand() -> None:
     h, kv = 64, 24
-    attention = h * (4 * kv + 2 * 2 * kv) + 4 * kv * h + 2 * h + 2 * kv  # qkv, proj, two norms, q/k norms
+    attention = (
+        (h + 1) * (4 * kv + 2 * 2 * kv) + 4 * kv * h + 2 * h + 2 * kv
+    )  # qkv + bias, proj, norms, q/k norms
     expert = h * 2 * 32 + 32 * h
     shared = h * 2 * 48 + 48 * h + h  # with its gate
     moe = attention + 4 * h + 4 * expert + shared  # router, 4 experts

@@ -15,6 +15,9 @@ import pytest
 from pipeline.cli.compose import load
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.hf_arch import HFConfigError, arch_values, model_config, to_hf_config
+from pipeline.schema.moe import moe_layers
+from pipeline.schema.moe_sizes import expert_params
+from pipeline.schema.params import param_count
 from tests.engine.models.test_hf_export import run_export, tensors
 from tests.support.engine_worker import launch
 from tests.support.env import REPO
@@ -136,19 +139,20 @@ def rel_diff(got: Any, want: Any) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def import_logits(hf: Path, layout: dict[str, int], toks: list[list[int]], tmp: Path) -> Any:
-    """Logits of ``toks`` from the model imported at ``layout`` (each data-parallel rank its own rows)."""
+def import_logits(hf: Path, layout: dict[str, int], toks: list[list[int]], tmp: Path) -> tuple[Any, int]:
+    """(logits of ``toks`` from the model imported at ``layout``, each data-parallel rank its own rows; the
+    values rank 0 read from the safetensors shards)."""
     world = layout.pop("world")
     spec = {"hf_dir": str(hf), "parallel": layout, "tokens": toks, "logits": str(tmp / "l.npy")}
-    launch(world, spec, tmp / "run", script=WORKER)
+    read = int(launch(world, spec, tmp / "run", script=WORKER)["read"])
     dp = world // (layout.get("tp", 1) * layout.get("pp", 1))
     if dp == 1:
-        return np.load(tmp / "l.npy")
+        return np.load(tmp / "l.npy"), read
     parts = [np.load(tmp / f"l.dp{r}.npy") for r in range(dp)]
     out = np.empty((len(toks), *parts[0].shape[1:]), dtype=parts[0].dtype)
     for r, part in enumerate(parts):
         out[r::dp] = part
-    return out
+    return out, read
 
 
 LAYOUTS = {
@@ -164,11 +168,15 @@ CASES = [(k, lay) for k in KINDS for lay in LAYOUTS if k != "qwen3" or "ep" not 
 @pytest.mark.dist
 @pytest.mark.parametrize("kind, layout", CASES, ids=[f"{k}-{lay}" for k, lay in CASES])
 def test_import_matches_transformers(models: dict[str, Path], kind: str, layout: str, tmp_path: Path) -> None:
-    toks = tokens(model_config(models[kind]).vocab_size or 0)
+    model = model_config(models[kind])
+    toks = tokens(model.vocab_size or 0)
     want = hf_logits(models[kind], toks)
-    got = import_logits(models[kind], dict(LAYOUTS[layout]), toks, tmp_path)
+    got, read = import_logits(models[kind], dict(LAYOUTS[layout]), toks, tmp_path)
     assert got.shape == want.shape
     assert rel_diff(got, want) < REL, rel_diff(got, want)
+    if layout == "ep2":  # rank 0 read its own 2 of the 4 experts of each MoE layer, nothing of the others'
+        others = sum(moe_layers(model)) * 2 * expert_params(model)
+        assert read == param_count(model) - others, (read, param_count(model), others)
 
 
 @pytest.mark.dist
@@ -176,7 +184,7 @@ def test_import_with_expert_tensor_parallel_on_4_ranks(models: dict[str, Path], 
     """tp2 x ep2 with each expert split over etp=2: 4 ranks, dp 2."""
     toks = tokens(model_config(models["qwen3_moe"]).vocab_size or 0)
     want = hf_logits(models["qwen3_moe"], toks)
-    got = import_logits(models["qwen3_moe"], {"world": 4, "tp": 2, "ep": 2, "etp": 2}, toks, tmp_path)
+    got, _ = import_logits(models["qwen3_moe"], {"world": 4, "tp": 2, "ep": 2, "etp": 2}, toks, tmp_path)
     assert rel_diff(got, want) < REL, rel_diff(got, want)
 
 
