@@ -203,7 +203,8 @@ def build_stage(
     marks = {"imports": time.time()}
     stop_flag = StopFlag().install()  # before init: a signal during start-up is not lost
     watchdog = Watchdog(st.hang_timeout_s, may_requeue=ctx.may_requeue, on_hang=ctx.on_hang).start()
-    D.init(par.tp, par.pp, plan.vpp if plan else par.vpp, seed=st.seed, threads=st.threads, env=ctx.dist)
+    vpp = plan.vpp if plan else par.vpp
+    D.init(par.tp, par.pp, vpp, ep=par.ep, etp=par.etp, seed=st.seed, threads=st.threads, env=ctx.dist)
     faults = FaultInjector(ctx.out_dir, D.rank(), ctx.faults)
     cleanup.callback(_shutdown, watchdog, stop_flag)
     set_verify_mode(st.checkpoint_verify)

@@ -177,53 +177,68 @@ def read_slice(checkpoint: Path, key: str, offsets: tuple[int, ...], dest: torch
 
 
 STORAGE_ALIASES = {
-    "decoder.layers.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.input_layernorm.weight",
-    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight",
+    ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
+    ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
 }
-"""Checkpoint keys of megatron's layer specs (the norms fused into the next linear, as Transformer Engine
-names them; the local spec saves under the same keys) -> the parameter names of hf_weights.TABLE."""
+"""Checkpoint key endings of megatron's layer specs (the norms fused into the next linear, as Transformer
+Engine names them; the local spec saves under the same keys) -> the parameter names of the weight tables."""
+
+
+def _storage_keys(name: str, layer: int | None) -> list[tuple[str, bool]]:
+    """(dist-checkpoint key, layers stacked) a table row may be saved under, its alias included: a layer's
+    tensors stacked over the layers (``{L}`` dropped, a dense decoder) or under the layer's own number (a
+    decoder of MoE layers, which megatron saves as non-homogeneous); a routed expert's under ``experts.``
+    with the global expert as an axis (megatron's SequentialMLP)."""
+    name = name.replace("local_experts.{E}.", "experts.")
+    keys = [(name, False)] if layer is None else [(name.replace("{L}", str(layer)), False)]
+    if layer is not None:
+        keys.append((name.replace("{L}.", ""), True))
+    for key, stacked in list(keys):
+        for alias, target in STORAGE_ALIASES.items():
+            if key.endswith(target):
+                keys.append((key.removesuffix(target) + alias, stacked))
+    return keys
 
 
 def iter_checkpoint_tensors(checkpoint: Path, model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(global megatron name as in ``hf_weights.TABLE``, full TP=1 tensor) of every model weight of a dist
-    checkpoint, layer by layer, one tensor in memory at a time (plus what the caller keeps).
+    """(global megatron name as in the model's weight table, full TP=1/EP=1 tensor) of every model weight of
+    a dist checkpoint, layer by layer (expert by expert), one tensor in memory at a time (plus what the
+    caller keeps).
 
-    Each tensor is read as its global region (a layer's slice of the stacked ``decoder.layers.*`` tensors,
-    from the stored chunks that overlap it), so the layout that saved the checkpoint does not matter.
+    Each tensor is read as its global region (a layer's and an expert's slice of the stacked tensors, from
+    the stored chunks that overlap it), so the layout that saved the checkpoint does not matter.
     Raises KeyError naming a model tensor of the checkpoint that the table does not map (e.g. an adapter).
     """
-    from engine.models.hf_weights import TABLE
+    from engine.models.hf_tables import fill, table_for
+    from engine.models.hf_weights import stream_plan
 
     path = Path(checkpoint)
     meta = checkpoint_tensors(path)
     model_keys = {k for k in meta if k.startswith(("embedding.", "decoder.", "output_layer."))}
     model_keys = {k for k in model_keys if "_extra_state" not in k}
-    stored = {m.replace("{L}.", ""): m for m, _, _ in TABLE}
-    for alias, name in STORAGE_ALIASES.items():
-        stored[alias] = stored[name]
-    unmapped = sorted(model_keys - set(stored))
+    plan = []
+    for row, layer, expert in stream_plan(table_for(model), model):
+        found = next(((k, st) for k, st in _storage_keys(row[0], layer) if k in model_keys), None)
+        if found is not None:
+            plan.append((fill(row[0], layer, expert), found[0], layer if found[1] else None, expert))
+    unmapped = sorted(model_keys - {key for _, key, _, _ in plan})
     if unmapped:
         raise KeyError(f"{path}: model tensors without a Hugging Face mapping: {unmapped[:5]}")
+    for name, key, layer, expert in plan:
+        yield name, _read_region(path, key, meta[key], model, layer, expert)
 
-    def read(key: str, layer: int | None) -> torch.Tensor:
-        size, dtype = tuple(meta[key].size), meta[key].properties.dtype
-        if layer is None:
-            return read_slice(path, key, (0,) * len(size), torch.empty(size, dtype=dtype))
-        if size[0] != model.num_layers:
-            raise ValueError(f"{path}: {key} holds {size[0]} layers, model.num_layers={model.num_layers}")
-        out = torch.empty(size[1:], dtype=dtype)
-        read_slice(path, key, (layer,) + (0,) * (len(size) - 1), out.unsqueeze(0))
-        return out
 
-    layer_keys = [k for k in stored if k.startswith("decoder.layers.") and k in model_keys]
-    if "embedding.word_embeddings.weight" in model_keys:
-        yield "embedding.word_embeddings.weight", read("embedding.word_embeddings.weight", None)
-    for layer in range(model.num_layers):
-        for key in layer_keys:
-            yield stored[key].replace("{L}", str(layer)), read(key, layer)
-    for key in ("decoder.final_layernorm.weight", "output_layer.weight"):
-        if key in model_keys:
-            yield key, read(key, None)
+def _read_region(
+    path: Path, key: str, md: Any, model: ModelConfig, layer: int | None, expert: int | None
+) -> torch.Tensor:
+    """Global tensor ``key`` at index ``layer`` of its first axis (stacked layers) and ``expert`` of the next."""
+    size, dtype = tuple(md.size), md.properties.dtype
+    lead = [i for i in (layer, expert) if i is not None]
+    if layer is not None and size[0] != model.num_layers:
+        raise ValueError(f"{path}: {key} holds {size[0]} layers, model.num_layers={model.num_layers}")
+    out = torch.empty(size[len(lead) :], dtype=dtype)
+    read_slice(path, key, (*lead, *(0,) * (len(size) - len(lead))), out.view((1,) * len(lead) + out.shape))
+    return out
 
 
 def weight_stream(checkpoint: Path, model: ModelConfig) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:

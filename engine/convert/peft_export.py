@@ -49,16 +49,18 @@ def peft_tensors(
     adapters: dict[str, torch.Tensor], model: ModelConfig, padded_vocab: int
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(PEFT state dict, target module names) from full adapter tensors by global megatron name."""
-    from engine.models.hf_weights import Shapes, _export, match
+    from engine.models.hf_tables import match, table_for
+    from engine.models.hf_weights import Shapes, _export
 
     s = Shapes.of(model, padded_vocab)
+    table = table_for(model)
     out: dict[str, torch.Tensor] = {}
     modules: set[str] = set()
     for key, a in sorted(adapters.items()):
         if not key.endswith(".lora_a"):
             continue
         prefix = key[: -len(".lora_a")]
-        hf_names, kind, _ = match(f"{prefix}.weight")
+        hf_names, kind, _ = match(f"{prefix}.weight", table)
         parts = _export(kind, adapters[f"{prefix}.lora_b"], s)
         for hf_name, b in zip(hf_names, parts, strict=True):
             module = hf_name.removesuffix(".weight")

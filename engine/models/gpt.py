@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.models import moe
 from engine.models.init_weights import init_by_global_name
 from engine.runtime import distributed as D
 from pipeline.schema.config import ModelConfig
@@ -101,6 +102,8 @@ def transformer_config(model: ModelConfig, par: ParallelConfig) -> Any:
         use_cpu_initialization=not on_gpu,
         batch_p2p_comm=on_gpu,  # gloo: the interleaved schedule learns only without it
         **recompute,
+        # qk_layernorm; experts, router, EP (engine/models/moe.py); grouped GEMM needs TE's TEGroupedMLP
+        **moe.transformer_kwargs(model, par, grouped_gemm=on_gpu and transformer_engine_available()),
     )
 
 
@@ -119,30 +122,31 @@ def attention_impl() -> str:
     return "te" if transformer_engine_available() else "local"
 
 
-def layer_spec(local_spec: Any) -> Any:
-    """The transformer layer spec of ``attention_impl()``: TE's, else ``local_spec`` (the local spec with its
-    core attention); both save the same checkpoint keys."""
-    from megatron.core.models.gpt import gpt_layer_specs
+def decoder_spec(model: ModelConfig, config: Any, vp_stage: int | None) -> tuple[Any, bool]:
+    """The decoder's spec for ``attention_impl()`` and whether it is the local one: TE's, else megatron's local
+    spec with the project's core attention and linears (every layer: dense MLP or MoE; the same checkpoint
+    keys either way). Dense and MoE layers as engine/models/moe.py builds them."""
+    from engine.models.linear import use_in
 
-    if attention_impl() == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return local_spec
+    local = attention_impl() != "te"
+    dense, sparse = moe.layer_specs(model, config, te=not local)
+    if local:
+        for spec in (dense, sparse) if sparse is not None else (dense,):
+            _set_core_attention(spec, model.attention_backend)
+            use_in(spec)  # F.linear where megatron's linear is a plain product (engine/models/linear.py)
+    return moe.block_spec(model, config, dense, sparse, vp_stage), local
 
 
 def _gpt(model: ModelConfig, config: Any, vocab_size: int, padded: int, vp_stage: int | None) -> Any:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from engine.models.linear import use_for_output, use_in
+    from engine.models.linear import use_for_output
 
-    spec = get_gpt_layer_local_spec(normalization=model.normalization)
-    _set_core_attention(spec, model.attention_backend)
-    use_in(spec)  # F.linear where megatron's linear function is a plain product (engine/models/linear.py)
-    chosen = layer_spec(spec)
+    spec, local = decoder_spec(model, config, vp_stage)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=chosen,
+        transformer_layer_spec=spec,
         vocab_size=padded,
         max_sequence_length=model.max_position_embeddings or model.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -154,7 +158,7 @@ def _gpt(model: ModelConfig, config: Any, vocab_size: int, padded: int, vp_stage
         rope_scaling_factor=model.rotary_scaling_factor,
         vp_stage=vp_stage,
     )
-    if chosen is spec:  # the local spec: the logits' linear too (no spec reaches it)
+    if local:  # the local spec: the logits' linear too (no spec reaches it)
         use_for_output(gpt)
     if model.rotary_scaling and model.position_embedding == "rope":
         _llama3_rope(gpt.rotary_pos_emb, model)
@@ -222,7 +226,10 @@ def build_model(
         module = _gpt(model, config, vocab, padded, i if chunks > 1 else None)
         if customize is not None:
             module = customize(module)
-        init_by_global_name(module, config, D.base_seed(), D.tp_rank(), par.tp, vocab)  # same at any layout
+        expert_tp = (D.etp_rank(), D.etp_size())
+        init_by_global_name(
+            module, config, D.base_seed(), D.tp_rank(), par.tp, vocab, expert_tp
+        )  # any layout
         if peft is not None and peft.method == "lora":
             from engine.models.lora import apply_lora
 

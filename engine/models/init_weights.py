@@ -25,21 +25,42 @@ from typing import Any
 import torch
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12]\.(?:weight|bias))(\d+)$")
 _RESIDUAL_OUT = (".linear_proj.weight", ".linear_fc2.weight")
 _TIED_EMBEDDING = "embedding.word_embeddings.weight"
 _VOCAB_TABLES = (_TIED_EMBEDDING, "output_layer.weight")
 
 
 def global_name(model: Any, name: str) -> str:
-    """``decoder.layers.<local>.x`` -> ``decoder.layers.<global, 0-based>.x``; the tied output layer of a
-    later pipeline stage is the word embedding."""
+    """``decoder.layers.<local>.x`` -> ``decoder.layers.<global, 0-based>.x``, a MoE layer's local expert
+    ``mlp.experts.local_experts.<i>.x`` (or Transformer Engine's grouped ``mlp.experts.linear_fc1.weight<i>``)
+    -> ``mlp.experts.local_experts.<global expert>.x``; the tied output layer of a later pipeline stage is
+    the word embedding."""
     m = _LOCAL_LAYER.match(name)
     if m:
         layer = model.decoder.layers[int(m.group(1))]
-        return f"decoder.layers.{int(layer.layer_number) - 1}.{m.group(2)}"
+        return f"decoder.layers.{int(layer.layer_number) - 1}.{_expert_name(layer, m.group(2))}"
     if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
         return _TIED_EMBEDDING
     return name
+
+
+def _expert_name(layer: Any, rest: str) -> str:
+    """``rest`` (a name inside one layer) with a local expert's index made global (megatron's MoELayer: local
+    expert i of expert-parallel rank r is global expert r x experts / ep + i)."""
+    m = _SEQUENTIAL_EXPERT.match(rest) or _GROUPED_EXPERT.match(rest)
+    if not m:
+        return rest
+    local, tail = (
+        (int(m.group(1)), m.group(2)) if m.re is _SEQUENTIAL_EXPERT else (int(m.group(2)), m.group(1))
+    )
+    return f"mlp.experts.local_experts.{int(layer.mlp.local_expert_indices[local])}.{tail}"
+
+
+def is_expert(gname: str) -> bool:
+    """Whether a global parameter name is a routed expert's (split over expert tensor parallel ranks)."""
+    return ".mlp.experts." in gname
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -78,23 +99,31 @@ def _draw(init: Callable[..., Any], shape: list[int], gen: torch.Generator, rows
 
 @torch.no_grad()
 def init_by_global_name(
-    model: Any, config: Any, seed: int, tp_rank: int, tp_size: int, vocab_size: int | None = None
+    model: Any,
+    config: Any,
+    seed: int,
+    tp_rank: int,
+    tp_size: int,
+    vocab_size: int | None = None,
+    expert_tp: tuple[int, int] = (0, 1),
 ) -> int:
     """Redraw every random parameter of one GPTModel chunk by its global name; returns how many.
 
     ``vocab_size``: the real vocabulary (rows of the vocabulary tables drawn; None: all rows, padding too).
+    ``expert_tp``: (rank, size) of expert tensor parallelism, which splits the routed experts' linears.
     """
     redrawn = 0
     for name, param in model.named_parameters():
         gname = global_name(model, name)
         if gname != _TIED_EMBEDDING and (param.numel() < 2 or bool((param == param.reshape(-1)[0]).all())):
             continue  # constant: norm weights and biases (ones or zeros)
+        rank, size = expert_tp if is_expert(gname) else (tp_rank, tp_size)
         shape = list(param.shape)
-        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-            shape[int(param.partition_dim)] *= tp_size
+        if size > 1 and getattr(param, "tensor_model_parallel", False):
+            shape[int(param.partition_dim)] *= size
         gen = torch.Generator(device=param.device).manual_seed(param_seed(seed, gname))
         rows = vocab_size if gname in _VOCAB_TABLES else None
         full = _draw(_init_method(config, gname), shape, gen, rows)
-        param.copy_(_tp_slice(full, param, tp_rank, tp_size).to(param.dtype))
+        param.copy_(_tp_slice(full, param, rank, size).to(param.dtype))
         redrawn += 1
     return redrawn

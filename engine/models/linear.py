@@ -44,16 +44,16 @@ def _fold(linear: Any) -> bool:
 
     Only on one tensor-parallel rank (megatron's region copies and reductions are identities there; a
     row-parallel bias is added after the all-reduce) and without sequence parallel, fused gradient
-    accumulation, expert communication, CPU offloading or deferred embedding wgrad. A ``skip_bias_add``
+    accumulation, CPU offloading or deferred embedding wgrad. A ``skip_bias_add``
     linear hands its bias back apart; megatron's MLP and bias-dropout-add add a returned bias themselves,
     except the fused bias-activation kernels (``bias_activation_fusion``), which take it separately.
+    A routed expert's fc2 (row parallel) keeps its bias apart: megatron's expert MLP scales it by the
+    token's routing probability (``RowParallelLinear.forward``).
     """
     config = linear.config
     return (
         linear.tp_group.size() == 1
-        and not (
-            linear.sequence_parallel or linear.gradient_accumulation_fusion or linear.explicit_expert_comm
-        )
+        and not (linear.sequence_parallel or linear.gradient_accumulation_fusion)
         and not (linear.skip_bias_add and linear.bias is not None and config.bias_activation_fusion)
         and not config.defer_embedding_wgrad_compute
         and config._cpu_offloading_context is None
@@ -78,6 +78,8 @@ class RowParallelLinear(tensor_parallel.RowParallelLinear):
     """megatron's RowParallelLinear; ``F.linear`` where its linear function is a plain product."""
 
     def forward(self, input_: torch.Tensor) -> Any:
+        if _fold(self) and self.is_expert and self.skip_bias_add:  # the expert MLP adds bias x probability
+            return F.linear(input_, self.weight), self.bias
         if _fold(self):  # attention proj, MLP fc2: bias in the GEMM, not in bias-dropout-add
             return F.linear(input_, self.weight, self.bias), None
         return super().forward(input_)
@@ -89,16 +91,23 @@ class RowParallelLinear(tensor_parallel.RowParallelLinear):
 
 
 def use_in(spec: Any) -> None:
-    """Put these linears into megatron's local layer spec (attention qkv/proj, MLP fc1/fc2), in place."""
-    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
-    for holder, name, cls in (
-        (attn, "linear_qkv", ColumnParallelLinear),
-        (attn, "linear_proj", RowParallelLinear),
-        (mlp, "linear_fc1", ColumnParallelLinear),
-        (mlp, "linear_fc2", RowParallelLinear),
-    ):
+    """Put these linears into megatron's local layer spec (attention qkv/proj, MLP fc1/fc2; a MoE layer's
+    experts and shared expert), in place."""
+    attn = spec.submodules.self_attention.submodules
+    slots = [(attn, "linear_qkv", ColumnParallelLinear), (attn, "linear_proj", RowParallelLinear)]
+    for mlp in _mlps(spec.submodules.mlp.submodules):
+        slots += [(mlp, "linear_fc1", ColumnParallelLinear), (mlp, "linear_fc2", RowParallelLinear)]
+    for holder, name, cls in slots:
         if getattr(holder, name, None) is cls.__base__:
             setattr(holder, name, cls)
+
+
+def _mlps(sub: Any) -> list[Any]:
+    """The MLPSubmodules of a layer's MLP spec: the dense MLP's, or a MoE layer's experts and shared expert."""
+    if hasattr(sub, "linear_fc1"):
+        return [sub]
+    parts = (getattr(sub, "experts", None), getattr(sub, "shared_experts", None))
+    return [p.submodules for p in parts if p is not None and getattr(p, "submodules", None) is not None]
 
 
 def use_for_output(gpt: Any) -> None:

@@ -138,11 +138,16 @@ def _classes() -> dict[str, type[Any]]:
     }
 
 
+ROUTED_EXPERTS = ".mlp.experts."
+"""Linears of a MoE layer's routed experts: never adapted (their gradients reduce over the expert data-parallel
+group, which megatron marks on the expert weights only; the shared expert and dense MLPs are adapted)."""
+
+
 def targets(model: Any, target_modules: list[str]) -> Iterator[tuple[str, Any]]:
-    """(local name, module) of the linears of ``model`` that ``target_modules`` names."""
+    """(local name, module) of the linears of ``model`` that ``target_modules`` names (routed experts excepted)."""
     for name, module in model.named_modules():
         kind = kind_of(name)
-        if kind is not None and kind in target_modules:
+        if kind is not None and kind in target_modules and ROUTED_EXPERTS not in name:
             yield name, module
 
 

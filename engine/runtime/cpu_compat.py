@@ -45,6 +45,8 @@ class _NoStream:
         pass
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name == "record_event":  # an event to synchronize on later (the MoE token dispatcher's)
+            return lambda *a, **k: _NoStream()
         return lambda *a, **k: None if name != "query" else True
 
 
@@ -100,6 +102,18 @@ def _logits_max(vocab_parallel_logits: torch.Tensor) -> tuple[torch.Tensor, torc
     return vocab_parallel_logits, torch.amax(vocab_parallel_logits, dim=-1)
 
 
+def _to_host(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``maybe_move_tensor_to_cpu`` converts to numpy only what it moves from a GPU: the MoE
+    all-to-all dispatcher's split sizes stay tensors on CPU, which ``all_to_all_single`` refuses."""
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return to_host
+
+
 @dataclass(frozen=True)
 class Patch:
     """One patched symbol: ``owner.name`` is replaced by ``make(original)``."""
@@ -144,6 +158,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch("torch.Tensor", "to", None, _tensor_to),
     Patch("torch.Tensor", "cuda", None, lambda o: lambda self, *a, **k: self),
     Patch("torch.Tensor", "type", None, _tensor_type),
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher",
+        "maybe_move_tensor_to_cpu",
+        ("tensor", "as_numpy", "record_stream"),
+        _to_host,
+    ),
     Patch(
         "megatron.core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy",
         "calculate_logits_max",
@@ -193,6 +213,25 @@ def skip_torch_compile() -> None:
     if not needed():
         return
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+MISSING_WITHOUT_TE: tuple[tuple[str, str], ...] = (
+    ("megatron.core.transformer.moe.moe_utils", "te_general_gemm"),
+)
+"""Names megatron-core 0.16 reads but defines only when Transformer Engine imports (the MoE router's gating
+GEMM tests ``te_general_gemm is not None``: a NameError without TE, on CPU and on GPUs alike)."""
+
+
+def define_missing_te_names() -> list[str]:
+    """Define each MISSING_WITHOUT_TE name as None where megatron left it undefined (CPU or GPU without TE);
+    returns the names defined. Idempotent; names that exist (TE installed) are left alone."""
+    defined = []
+    for owner, name in MISSING_WITHOUT_TE:
+        module = resolve(owner)
+        if not hasattr(module, name):
+            setattr(module, name, None)
+            defined.append(f"{owner}.{name}")
+    return defined
 
 
 def install() -> bool:

@@ -95,6 +95,7 @@ def prepare_imports() -> None:
 
     cpu_compat.skip_torch_compile()
     import_megatron()
+    cpu_compat.define_missing_te_names()  # with or without CUDA: megatron's MoE router without TE
     cpu_compat.install()
 
 
@@ -116,17 +117,24 @@ def init(
     pp: int = 1,
     vpp: int | None = None,
     *,
+    ep: int = 1,
+    etp: int | None = None,
     seed: int = 1234,
     threads: int = 2,
     env: DistEnv | None = None,
     timeout_s: int = 1800,
 ) -> DistEnv:
     """Start the process group, megatron's model-parallel groups and seed every generator (``env``: this
-    rank's place, from the caller; default: torch's env rendezvous variables, ``env_from_os``)."""
+    rank's place, from the caller; default: torch's env rendezvous variables, ``env_from_os``). ``ep`` /
+    ``etp``: expert (tensor) parallel sizes; megatron carves the expert groups out of tp x dp."""
     env = env or env_from_os()
     if env.world_size % (tp * pp):
         raise ValueError(
             f"parallel.tp x parallel.pp = {tp * pp}: does not divide WORLD_SIZE={env.world_size}"
+        )
+    if env.world_size % (ep * (etp or tp) * pp):
+        raise ValueError(
+            f"parallel.ep x etp x pp = {ep * (etp or tp) * pp}: does not divide WORLD_SIZE={env.world_size}"
         )
     vml.warm()  # before any multi-threaded float op: MKL's first-call race (engine.runtime.vml)
     torch.set_num_threads(threads)
@@ -152,6 +160,8 @@ def init(
                 tensor_model_parallel_size=tp,
                 pipeline_model_parallel_size=pp,
                 virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+                expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=etp,
             )
     set_seed(seed)
     return env
@@ -272,6 +282,15 @@ def dp_size() -> int:
 
 def tp_rank() -> int:
     return int(_ps().get_tensor_model_parallel_rank())
+
+
+def etp_rank() -> int:
+    """This rank's place in its expert-tensor-parallel group (the routed experts' tensor split)."""
+    return int(_ps().get_expert_tensor_parallel_rank())
+
+
+def etp_size() -> int:
+    return int(_ps().get_expert_tensor_parallel_world_size())
 
 
 def pp_rank() -> int:

@@ -26,11 +26,11 @@ from pipeline.schema.estimates import (
     RECOMPUTE_MODES,
     GiB,
     StageEstimate,
-    config_vocab,
     estimate_stage,
-    param_count,
 )
 from pipeline.schema.graph import TRAIN_STAGES
+from pipeline.schema.moe import expert_ffn, is_moe, moe_layers
+from pipeline.schema.params import active_param_count, config_vocab, param_count
 
 _LABEL = 40
 _COLUMN = 16
@@ -65,7 +65,7 @@ def format_plan(cfg: PipelineConfig, estimates: list[StageEstimate]) -> str:
     m, p = cfg.model, cfg.planner
     params = param_count(m, config_vocab(cfg))
     lines = [
-        f"model {m.name}: {params:,} parameters ({_count(params)}), {m.num_layers} layers, "
+        f"model {m.name}: {params:,} parameters ({_count(params)}){_active(cfg)}, {m.num_layers} layers, "
         f"hidden {m.hidden_size}, {m.num_attention_heads} heads / {m.num_query_groups or m.num_attention_heads} "
         f"kv groups, ffn {m.ffn_hidden_size or 4 * m.hidden_size}, vocab {config_vocab(cfg)}, seq {m.seq_length}",
         f"assumed GPU: {p.gpu_peak_tflops:g} TFLOP/s peak, {p.gpu_memory_gb:g} GiB ({p.reserve_gb:g} GiB "
@@ -77,6 +77,20 @@ def format_plan(cfg: PipelineConfig, estimates: list[StageEstimate]) -> str:
     for est in estimates:
         lines += ["", *format_stage(est)]
     return "\n".join(lines)
+
+
+def _active(cfg: PipelineConfig) -> str:
+    """MoE: the active parameters and the experts of a token."""
+    m = cfg.model
+    if not is_moe(m):
+        return ""
+    active = active_param_count(m, config_vocab(cfg))
+    width = m.moe_shared_expert_intermediate_size
+    shared = f" + a shared expert of width {width}" if width else ""
+    return (
+        f", {active:,} active per token ({_count(active)}: top-{m.moe_router_topk} of {m.num_experts} experts "
+        f"of width {expert_ffn(m)}{shared} in {sum(moe_layers(m))} of {m.num_layers} layers)"
+    )
 
 
 def format_stage(est: StageEstimate) -> list[str]:
@@ -111,7 +125,8 @@ def _header(est: StageEstimate) -> list[str]:
     gpus = f"{pl.gpus_per_node} GPUs/node" if pl.gpus_per_node else "CPU ranks"
     return [
         f"== {est.stage} " + "=" * 60,
-        f"layout    tp={pl.tp} pp={pl.pp} dp={pl.dp} vpp={pl.vpp or '-'}: {pl.world_size} ranks on {pl.nodes} "
+        f"layout    tp={pl.tp} pp={pl.pp} dp={pl.dp} vpp={pl.vpp or '-'}{_experts_layout(est)}: "
+        f"{pl.world_size} ranks on {pl.nodes} "
         f"node(s) x {pl.tasks_per_node} tasks/node ({gpus})",
         f"batch     global {par.global_batch_size} = micro {par.micro_batch_size} x {est.micro_batches} micro "
         f"batches x dp {pl.dp}; {est.model.seq_length} tokens/sequence, {_count(est.tokens_per_step)} tokens/step",
@@ -119,6 +134,13 @@ def _header(est: StageEstimate) -> list[str]:
         f"recompute={par.recompute}, sequence parallel {'on' if par.sequence_parallel else 'off'}; "
         f"vocab padded to {est.vocab}",
     ]
+
+
+def _experts_layout(est: StageEstimate) -> str:
+    if not is_moe(est.model):
+        return ""
+    pl = est.plan
+    return f" ep={pl.ep} etp={pl.etp} ({est.parallel.moe_token_dispatcher} dispatch)"
 
 
 def _memory_table(est: StageEstimate) -> list[str]:
@@ -131,6 +153,9 @@ def _memory_table(est: StageEstimate) -> list[str]:
     rows: list[tuple[str, list[str]]] = [
         ("  parameters", [_count(r.params) for r in ranks]),
     ]
+    if is_moe(est.model):
+        label = f"  of which routed experts (/ ep {est.plan.ep} x etp {est.plan.etp})"
+        rows.append((label, [_count(r.expert_params) for r in ranks]))
     if ranks[0].trainable is not None:
         rows.append(("  trainable (LoRA adapters)", [_count(r.trainable or 0) for r in ranks]))
     rows += [
@@ -169,6 +194,10 @@ def _compute(est: StageEstimate) -> list[str]:
         ("throughput", f"{_count(tokens_s)} tokens/s ({_count(tokens_s / world)} per GPU)"),
         ("pipeline bubble (pp-1)/(vpp x micro)", f"{est.bubble:.1%} of the step (part of the MFU)"),
     ]
+    if is_moe(est.model):
+        sent = max(r.dispatch_bytes for r in est.ranks)
+        what = "none: ep=1" if est.plan.ep == 1 else f"{_bytes(sent)} sent per GPU per step (most)"
+        rows.append(("MoE token dispatch", what))
     if not est.plan.gpus_per_node:
         rows[2:4] = [("step time", "not predicted for CPU ranks (planner.* describes a GPU)")]
     return ["compute"] + [f"  {label}".ljust(_LABEL) + value for label, value in rows]

@@ -17,6 +17,7 @@ from pipeline.schema.config import PipelineConfig
 from pipeline.schema.domains import fail
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.layout import check_layout
+from pipeline.schema.moe import check_moe_peft
 from pipeline.schema.origins import GIVEN, Origin, Origins, leaves
 from pipeline.schema.sections import (
     ClusterConfig,
@@ -197,6 +198,8 @@ def _check_modes(pc: PipelineConfig) -> None:
         )
     for name in ("sft", "rlhf"):
         st = getattr(pc, name)
+        if name in pc.run.stages:
+            check_moe_peft(pc.model, st.peft, name)
         if st.peft.method == "lora" and st.init_from in (None, "", "none", "null"):
             fail(
                 f"{name}.peft.method",

@@ -89,9 +89,13 @@ def num(
     lt: float | None = None,
     or_zero: bool = False,
 ) -> Any:
-    """A numeric schema field with its domain (None stays allowed for ``X | None`` fields)."""
+    """A numeric schema field with its domain (None stays allowed for ``X | None`` fields); a list default:
+    a list of numbers, each in the domain."""
     kind = isinstance(default, int) if integer is None else integer
     dom = Domain(kind, ge=ge, gt=gt, le=le, lt=lt, or_zero=or_zero)
+    if isinstance(default, list):
+        items = list(default)
+        return field(default_factory=lambda: list(items), metadata={"domain": dom})
     return field(default=default, metadata={"domain": dom})
 
 
@@ -106,5 +110,7 @@ def check_domains(obj: Any) -> None:
         value = getattr(obj, f.name)
         if dom is None or value is None:
             continue
-        if not dom.ok(value):
+        if isinstance(value, list) and not all(dom.ok(v) for v in value):
+            fail(f.name, value, f"each entry must be {dom.describe()}")
+        if not isinstance(value, list) and not dom.ok(value):
             fail(f.name, value, f"must be {dom.describe()}")

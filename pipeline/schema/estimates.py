@@ -3,7 +3,8 @@
 Nothing here imports torch or megatron, so plans are made on a laptop. Sources of the formulas:
 
 - Parameters: what megatron-core's GPTModel (local layer spec) holds for a ``ModelConfig``; the tests
-  check the count against a GPTModel built on the meta device.
+  check the count against a GPTModel built on the meta device. Mixture of Experts (pipeline.schema.moe_sizes):
+  total and active parameters; per rank the routed experts divide by ep and etp, the rest by tp and pp.
 - Weights, gradients and optimizer state per parameter: Megatron-LM's distributed optimizer documentation
   (bf16 weights with fp32 gradients: 2 + 4 + 12 = 18 bytes; the 12 bytes of fp32 master weights and Adam
   moments divide by dp with the distributed optimizer).
@@ -16,6 +17,8 @@ Nothing here imports torch or megatron, so plans are made on a laptop. Sources o
 - FLOPs: Narayanan et al. 2021, ``72 B s L h^2 (1 + s/(6h) + V/(12 L h))`` for forward and backward,
   generalized to grouped-query attention and gated MLPs as Megatron-LM's ``num_floating_point_operations``
   does (identical for GPT shapes).
+- MoE: the FLOPs of the active parameters (top-k experts, the shared expert, the router); the distributed
+  optimizer shards the experts' state over their own data-parallel ranks (tp x dp / (ep x etp)).
 - Step time: model FLOPs / (GPUs x planner.gpu_peak_tflops x planner.mfu), the definition of MFU, so the
   assumed MFU absorbs recompute, the pipeline bubble and communication (both are printed beside it).
 """
@@ -32,6 +35,15 @@ from pipeline.schema.config import ModelConfig, PipelineConfig, TrainStage
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.graph import TRAIN_STAGES
 from pipeline.schema.layout import ParallelPlan, check_layout
+from pipeline.schema.moe_sizes import dispatch_bytes, mlp_flops_ratio, moe_activation_extra, rank_layers
+from pipeline.schema.params import (
+    _ffn,
+    _kv_channels,
+    config_vocab,
+    lora_layer_params,
+    padded_vocab,
+    rank_param_split,
+)
 from pipeline.schema.sections import ParallelConfig
 
 GiB = 2**30
@@ -41,114 +53,6 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 # fp16 keeps an fp32 copy of the gradients in the optimizer (4) besides fp32 master weights and Adam m, v (12);
 # bf16 accumulates gradients in fp32 directly; fp32 needs no master copy.
 BYTES_PER_PARAM: dict[str, tuple[int, int, int]] = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 2, 16)}
-
-
-# ---------------------------------------------------------------------------- parameters
-
-
-def vocab_of(model: ModelConfig, vocab_size: int | None = None) -> int:
-    """The vocabulary size to count with: ``vocab_size`` if given, else ``model.vocab_size``."""
-    vocab = vocab_size if vocab_size is not None else model.vocab_size
-    if vocab is None:
-        raise ConfigError("model.vocab_size=None: the planner needs a vocabulary size; set model.vocab_size")
-    return vocab
-
-
-def config_vocab(cfg: PipelineConfig) -> int:
-    """The run's unpadded vocabulary: model.vocab_size, else the size of the tokenizer data prep trains."""
-    if cfg.model.vocab_size is None and cfg.data.tokenizer_path is None:
-        return cfg.data.vocab_size
-    return vocab_of(cfg.model)
-
-
-def padded_vocab(model: ModelConfig, vocab: int, tp: int) -> int:
-    """Megatron's padded vocabulary: the next multiple of make_vocab_size_divisible_by x tp."""
-    multiple = model.make_vocab_size_divisible_by * tp
-    return -(-vocab // multiple) * multiple
-
-
-def _kv_channels(m: ModelConfig) -> int:
-    return m.kv_channels or m.hidden_size // m.num_attention_heads
-
-
-def _ffn(m: ModelConfig) -> int:
-    return m.ffn_hidden_size or 4 * m.hidden_size
-
-
-def _norm_params(m: ModelConfig) -> int:
-    """One LayerNorm (weight and bias) or RMSNorm (weight)."""
-    return m.hidden_size * (2 if m.normalization == "LayerNorm" else 1)
-
-
-def layer_params(m: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one transformer layer on one tensor-parallel rank.
-
-    Column-parallel weights and biases (qkv, fc1) and row-parallel weights (proj, fc2) are split over tp;
-    row-parallel biases and the two norms are replicated.
-    """
-    h, q = m.hidden_size, m.num_attention_heads * _kv_channels(m)
-    kv = (m.num_query_groups or m.num_attention_heads) * _kv_channels(m)
-    fc1 = _ffn(m) * (2 if m.activation == "swiglu" else 1)
-    bias = int(m.add_bias_linear)
-    qkv = (h + bias) * (q + 2 * kv) // tp
-    proj = q * h // tp + bias * h
-    mlp = (h + bias) * fc1 // tp + _ffn(m) * h // tp + bias * h
-    return qkv + proj + mlp + 2 * _norm_params(m)
-
-
-def lora_layer_params(m: ModelConfig, rank: int, targets: list[str], tp: int = 1) -> int:
-    """LoRA adapter parameters of one layer on one tensor-parallel rank (engine/models/lora.py): a
-    column-parallel linear (qkv, fc1) has A (r x in) replicated and B (out x r) split; a row-parallel one
-    (proj, fc2) A split and B replicated."""
-    h, q = m.hidden_size, m.num_attention_heads * _kv_channels(m)
-    kv = (m.num_query_groups or m.num_attention_heads) * _kv_channels(m)
-    fc1 = _ffn(m) * (2 if m.activation == "swiglu" else 1)
-    shapes = {  # kind: (in, out, column-parallel)
-        "linear_qkv": (h, q + 2 * kv, True),
-        "linear_proj": (q, h, False),
-        "linear_fc1": (h, fc1, True),
-        "linear_fc2": (_ffn(m), h, False),
-    }
-    n = 0
-    for kind in targets:
-        fan_in, fan_out, column = shapes[kind]
-        n += rank * fan_in + fan_out * rank // tp if column else rank * fan_in // tp + fan_out * rank
-    return n
-
-
-def embedding_params(m: ModelConfig, vocab: int, tp: int = 1) -> int:
-    """Word embeddings (split over tp) and, for learned absolute positions, the replicated position table."""
-    positions = (
-        (m.max_position_embeddings or m.seq_length) if m.position_embedding == "learned_absolute" else 0
-    )
-    return vocab * m.hidden_size // tp + positions * m.hidden_size
-
-
-def param_count(model: ModelConfig, vocab_size: int | None = None, *, pad_for_tp: int | None = None) -> int:
-    """Total parameters of megatron's GPTModel for ``model``, counted once (tied embeddings once).
-
-    ``vocab_size`` overrides ``model.vocab_size``. The vocabulary is not padded (the published count)
-    unless ``pad_for_tp`` gives the tensor-parallel size to pad for, as megatron does.
-    """
-    vocab = vocab_of(model, vocab_size)
-    if pad_for_tp is not None:
-        vocab = padded_vocab(model, vocab, pad_for_tp)
-    output = 0 if model.tie_embeddings else vocab * model.hidden_size
-    layers = model.num_layers * layer_params(model)
-    return layers + embedding_params(model, vocab) + _norm_params(model) + output
-
-
-def rank_params(m: ModelConfig, vocab: int, tp: int, pp: int, pp_rank: int) -> int:
-    """Parameters held by one GPU of pipeline rank ``pp_rank``: its layers, plus the embeddings on the
-    first rank and the final norm and output layer on the last (a tied output layer is a second copy
-    when pp > 1). ``vocab`` is the padded vocabulary."""
-    n = m.num_layers // pp * layer_params(m, tp)
-    if pp_rank == 0:
-        n += embedding_params(m, vocab, tp)
-    if pp_rank == pp - 1:
-        shared = m.tie_embeddings and pp == 1
-        n += _norm_params(m) + (0 if shared else vocab * m.hidden_size // tp)
-    return n
 
 
 # ---------------------------------------------------------------------------- activations
@@ -185,9 +89,11 @@ def rank_activation_bytes(
 ) -> int:
     """All activation bytes of one GPU of pipeline rank ``pp_rank``: its in-flight layers, plus the
     embedding dropout mask on the first rank (s b h per in-flight micro batch) and the output layer with
-    fp32 logits on the last (4 s b h / t (1 + V/h)). Doubled for fp32 activations."""
+    fp32 logits on the last (4 s b h / t (1 + V/h)); MoE layers their wider MLP and permuted tokens
+    (moe_sizes.moe_activation_extra). Doubled for fp32 activations."""
     layers = inflight_layers(m.num_layers, par.pp, par.vpp, pp_rank, micro_batches)
     per_layer = layer_activation_bytes(m, par.micro_batch_size, par.tp, recompute, par.sequence_parallel)
+    per_layer += moe_activation_extra(m, par.micro_batch_size, par.tp, recompute)
     total = layers * per_layer
     sbh = m.seq_length * par.micro_batch_size * m.hidden_size
     if pp_rank == 0:
@@ -206,14 +112,15 @@ def step_flops(m: ModelConfig, vocab: int, global_batch: int, recompute: str = "
     Model FLOPs: ``12 B s L h^2 ((1 + g/a + s/h) q/h + (f/h) x gated + V/(2 L h))`` with gated = 1.5 for
     swiglu (Megatron-LM), which is ``72 B s L h^2 (1 + s/(6h) + V/(12 L h))`` for GPT shapes. Executed
     FLOPs add the recomputed forward: the attention core (``4 B s^2 q L``) for selective, every layer's
-    forward (a third of its forward and backward) for full.
+    forward (a third of its forward and backward) for full. A MoE layer's MLP term counts its active
+    parameters (moe_sizes.mlp_flops_ratio: top-k experts, the shared expert, the router).
     """
     b, s, n, h = global_batch, m.seq_length, m.num_layers, m.hidden_size
     q_ratio = m.num_attention_heads * _kv_channels(m) / h
     groups = (m.num_query_groups or m.num_attention_heads) / m.num_attention_heads
     gated = 1.5 if m.activation == "swiglu" else 1.0
     unit = 12.0 * b * s * n * h * h
-    layers = unit * ((1 + groups + s / h) * q_ratio + _ffn(m) / h * gated)
+    layers = unit * ((1 + groups + s / h) * q_ratio + mlp_flops_ratio(m, _ffn(m) / h * gated))
     model = layers + unit * vocab / (2 * n * h)
     extra = {"none": 0.0, "selective": 4.0 * b * s * s * q_ratio * h * n, "full": layers / 3}[recompute]
     return model, model + extra
@@ -234,6 +141,10 @@ class RankMemory:
     activations: dict[str, int]
     trainable: int | None = None
     """LoRA: the adapter parameters (gradients and optimizer state are theirs only); None: all of params."""
+    expert_params: int = 0
+    """The routed experts' share of params (num_experts / ep of them, each split over etp)."""
+    dispatch_bytes: int = 0
+    """Bytes this GPU sends to others in MoE token dispatch per step (moe_sizes.dispatch_bytes)."""
 
     def total(self, recompute: str) -> int:
         return self.weights + self.gradients + self.optimizer + self.activations[recompute]
@@ -269,7 +180,10 @@ def checkpoint_estimate(cfg: PipelineConfig, est: StageEstimate) -> CheckpointEs
     # a LoRA stage saves its adapters and their optimizer state only (the base comes from init_from)
     saved = [r.params if r.trainable is None else r.trainable for r in est.ranks]
     rank_bytes = max(n * w + n * o // opt_share for n in saved)
-    total = sum(saved) * est.plan.tp * (w + o)
+    # every tensor once: the tp slices of the rest, the ep x etp slices of the routed experts
+    experts = [0 if r.trainable is not None else r.expert_params for r in est.ranks]
+    expert_copies = est.plan.ep * est.plan.etp
+    total = sum((n - e) * est.plan.tp + e * expert_copies for n, e in zip(saved, experts)) * (w + o)
     node_bytes = min(rank_bytes * est.plan.tasks_per_node, total)
     bw = cfg.cluster.fs_bandwidth_gb_s * 1e9
     hash_rate = cfg.planner.checksum_gb_s * 1e9
@@ -359,21 +273,27 @@ def rank_memory(
 ) -> RankMemory:
     """Weights, gradients, optimizer state (sharded over dp with the distributed optimizer) and activations.
 
-    ``peft`` (method=lora): the adapters are added to the weights; gradients and optimizer state are the
-    adapters' only (the base is frozen)."""
-    params = rank_params(m, vocab, par.tp, par.pp, pp_rank)
+    The routed experts (num_experts / ep on this GPU, each split over etp) have their own data-parallel
+    ranks, tp x dp / (ep x etp): the distributed optimizer shards their state over those. ``peft``
+    (method=lora): the adapters are added to the weights; gradients and optimizer state are the adapters'
+    only (the base is frozen)."""
+    etp = par.etp or par.tp
+    dense, experts = rank_param_split(m, vocab, par.tp, par.pp, pp_rank, par.ep, etp, par.vpp)
+    params = dense + experts
     w, g, o = BYTES_PER_PARAM[par.precision]
     acts = {r: rank_activation_bytes(m, par, vocab, pp_rank, micro_batches, r) for r in RECOMPUTE_MODES}
+    sent = dispatch_bytes(m, par, pp_rank, micro_batches)
+    shard = dp if par.distributed_optimizer else 1
+    expert_shard = max(1, par.tp * dp // (par.ep * etp)) if par.distributed_optimizer else 1
     if peft is not None and peft.method == "lora":
-        trainable = (
-            m.num_layers // par.pp * lora_layer_params(m, peft.rank, list(peft.target_modules), par.tp)
-        )
-        optimizer = trainable * o // (dp if par.distributed_optimizer else 1)
-        return RankMemory(
-            pp_rank, params + trainable, (params + trainable) * w, trainable * g, optimizer, acts, trainable
-        )
-    optimizer = params * o // (dp if par.distributed_optimizer else 1)
-    return RankMemory(pp_rank, params, params * w, params * g, optimizer, acts)
+        targets = list(peft.target_modules)
+        layers = rank_layers(m.num_layers, par.pp, par.vpp, pp_rank)
+        trainable = sum(lora_layer_params(m, peft.rank, targets, par.tp, i) for i in layers)
+        optimizer = trainable * o // shard
+        total = params + trainable
+        return RankMemory(pp_rank, total, total * w, trainable * g, optimizer, acts, trainable, experts, sent)
+    optimizer = dense * o // shard + experts * o // expert_shard
+    return RankMemory(pp_rank, params, params * w, params * g, optimizer, acts, None, experts, sent)
 
 
 def _estimate(cfg: PipelineConfig, stage: str) -> StageEstimate:
@@ -419,9 +339,19 @@ def estimate_stage(cfg: PipelineConfig, stage: str) -> StageEstimate:
 # ---------------------------------------------------------------------------- the cheapest fix
 
 # Cost of each step of change, in a fixed order: distributed optimizer (no extra communication volume) <
-# selective recompute (a few % compute) < halving the micro batch < doubling tp (inside a node) < doubling
+# selective recompute (a few % compute) = doubling ep (MoE: the experts over more of the same ranks, more
+# dispatch traffic) < halving the micro batch < doubling tp (inside a node) < doubling
 # pp (bubble) < full recompute (a third more compute) < doubling the GPUs (more hardware).
-_COST = {"distributed_optimizer": 1, "selective": 2, "micro": 3, "tp": 4, "pp": 5, "full": 8, "gpus": 10}
+_COST = {
+    "distributed_optimizer": 1,
+    "selective": 2,
+    "ep": 2,
+    "micro": 3,
+    "tp": 4,
+    "pp": 5,
+    "full": 8,
+    "gpus": 10,
+}
 
 
 def _options(
@@ -443,6 +373,8 @@ def _options(
         "tp": _doublings(par.tp, per_node, _COST["tp"]),
         "pp": _doublings(par.pp, cfg.model.num_layers, _COST["pp"]),
     }
+    if cfg.model.num_experts:  # the experts over more ranks: no more GPUs, more dispatch traffic
+        options["ep"] = _doublings(par.ep, cfg.model.num_experts, _COST["ep"])
     if par.nodes is not None and par.dp is None:
         options["nodes"] = _doublings(par.nodes, 4 * par.nodes, _COST["gpus"])
     elif par.nodes is None:

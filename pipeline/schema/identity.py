@@ -43,6 +43,9 @@ IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {
 IDENTITY_PARALLEL_KEYS = ("global_batch_size", "precision")
 """The only parallel keys that change results; the rest is the layout, which must not (same weights at step 0
 and the same data order under any tp/pp/vpp/dp)."""
+IDENTITY_HASHED_WHEN_SET = ("qk_layernorm", "num_experts", "moe_")
+"""Model keys (names, or a prefix ending in _) added after runs existed: hashed only when they differ from their
+default, so a dense model's run keeps its directory (num_experts 0 and None are both dense)."""
 # grad_spike_factor stays in the identity: the spike threshold decides which updates are dropped, so it
 # changes the trajectory whenever it is on.
 
@@ -59,8 +62,27 @@ def stage_own_config(pc: PipelineConfig, name: str) -> dict[str, Any]:
     if name == "data_prep":
         own["data"] = dataclasses.asdict(pc.data)
     else:
-        own["model"] = dataclasses.asdict(pc.model)
+        own["model"] = _model_identity(pc.model)
     return own
+
+
+def hashed_when_set(model_key: str) -> bool:
+    """Whether a model key is in IDENTITY_HASHED_WHEN_SET (hashed only away from its default)."""
+    return any(
+        model_key == k or (k.endswith("_") and model_key.startswith(k)) for k in IDENTITY_HASHED_WHEN_SET
+    )
+
+
+def _model_identity(model: Any) -> dict[str, Any]:
+    """The model section as hashed: keys of IDENTITY_HASHED_WHEN_SET left out at their defaults."""
+    out = dataclasses.asdict(model)
+    for f in dataclasses.fields(model):
+        new = hashed_when_set(f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value = (out[f.name] or None) if f.name == "num_experts" else out[f.name]
+        if new and value == default:
+            del out[f.name]
+    return out
 
 
 def stage_hashes(pc: PipelineConfig, with_inputs: bool = True) -> dict[str, str]:

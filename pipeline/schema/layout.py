@@ -14,6 +14,7 @@ from typing import Any, Protocol, cast
 
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.graph import TRAIN_STAGES, spec
+from pipeline.schema.moe import check_moe_layout
 
 # What a layout reads of the config, as protocols: pipeline.schema.build validates with check_layout, so this
 # module names the fields it reads instead of importing the schema (no cycle, type-only included).
@@ -38,6 +39,12 @@ class _Parallel(Protocol):
     def global_batch_size(self) -> int: ...
     @property
     def sequence_parallel(self) -> bool: ...
+    @property
+    def ep(self) -> int: ...
+    @property
+    def etp(self) -> int | None: ...
+    @property
+    def moe_token_dispatcher(self) -> str: ...
 
 
 class _Stage(Protocol):
@@ -65,6 +72,16 @@ class _Model(Protocol):
     def ffn_hidden_size(self) -> int | None: ...
     @property
     def seq_length(self) -> int: ...
+    @property
+    def num_experts(self) -> int | None: ...
+    @property
+    def moe_ffn_hidden_size(self) -> int | None: ...
+    @property
+    def moe_shared_expert_intermediate_size(self) -> int | None: ...
+    @property
+    def moe_router_topk(self) -> int: ...
+    @property
+    def add_bias_linear(self) -> bool: ...
 
 
 class _Cluster(Protocol):
@@ -101,6 +118,10 @@ class ParallelPlan:
     tasks_per_node: int
     gpus_per_node: int
     cpus_per_task: int
+    ep: int = 1
+    """Expert parallel size (carved out of tp x dp: it adds no ranks)."""
+    etp: int = 1
+    """Expert tensor parallel size (megatron-core's default: tp)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -149,7 +170,8 @@ def stage_plan(cfg: _Config, stage: str) -> ParallelPlan:
         )
     gpus = tasks if cfg.cluster.gpus_per_node else 0
     cpus = max(1, cfg.cluster.cpus_per_node // tasks)
-    return ParallelPlan(par.tp, par.pp, dp, par.vpp, world, nodes, tasks, gpus, cpus)
+    etp = par.etp or par.tp
+    return ParallelPlan(par.tp, par.pp, dp, par.vpp, world, nodes, tasks, gpus, cpus, ep=par.ep, etp=etp)
 
 
 def check_layout(cfg: _Config, stage: str) -> ParallelPlan:
@@ -161,6 +183,7 @@ def check_layout(cfg: _Config, stage: str) -> ParallelPlan:
         plan = stage_plan(cfg, stage)
         if stage == "eval" and par.pp == 1:  # eval runs tensor parallel (same numbers as one rank)
             _check_model_split(cfg.model, par, key)
+            check_moe_layout(cfg.model, par, key, par.tp * plan.dp)
             return plan
         if par.tp * par.pp != 1:
             what = "tp=1 and pp=1" if stage != "eval" else "pp=1 (tensor parallel works)"
@@ -175,6 +198,7 @@ def check_layout(cfg: _Config, stage: str) -> ParallelPlan:
         )
     _check_model_split(cfg.model, par, key)
     plan = stage_plan(cfg, stage)
+    check_moe_layout(cfg.model, par, key, par.tp * plan.dp)
     _check_batch(par, plan, key)
     _check_features(cfg, par, key)
     return plan

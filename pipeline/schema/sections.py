@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pipeline.schema.domains import check_domains, choice, fail, num
 from pipeline.schema.graph import DEFAULT_STAGES, STAGES
+from pipeline.schema.moe import check_moe
 
 
 @dataclass
@@ -73,6 +74,36 @@ class ModelConfig:
     """Dropout of attention probabilities."""
     attention_backend: str = "auto"
     """Core attention of the local layer spec: sdpa (torch scaled_dot_product_attention, fused), unfused (megatron's DotProductAttention, for comparison), auto = sdpa."""
+    qk_layernorm: bool = False
+    """A norm (model.normalization) on each head's queries and keys before attention (Qwen3, Qwen3-MoE)."""
+    num_experts: int | None = num(None, integer=True, ge=1, or_zero=True)
+    """Mixture of Experts: routed experts per MoE layer (None or 0 = a dense model; the moe_* keys below need it). megatron-core's MoE layer: router, token dispatcher, experts."""
+    moe_router_topk: int = num(2, ge=1)
+    """Experts each token is routed to (<= num_experts)."""
+    moe_router_score_function: str = "softmax"
+    """Router scores: softmax or sigmoid (sigmoid: the top-k scores are renormalised to sum to 1 when top-k > 1)."""
+    moe_router_norm_topk: bool = True
+    """softmax: the top-k probabilities are renormalised to sum to 1 (softmax over the top-k logits: Mixtral, Qwen3-MoE norm_topk_prob=true); false: softmax over all experts, the top-k probabilities kept as they are (Qwen2-MoE norm_topk_prob=false; megatron's moe_router_pre_softmax). top-k 1 with softmax needs false."""
+    moe_router_dtype: str = "fp32"
+    """Precision of the router logits and of the weighted sum of expert outputs: fp32, fp64 or model (the stage's training precision)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """Load-balancing loss: aux_loss (GShard/Switch, per micro batch), seq_aux_loss (per sequence, DeepSeek-V2/V3), global_aux_loss (over the global batch) or none."""
+    moe_aux_loss_coeff: float = num(0.01, ge=0)
+    """Weight of the load-balancing loss in the training loss (Mixtral: 0.02, Qwen3-MoE: 0.001)."""
+    moe_z_loss_coeff: float = num(0.0, ge=0)
+    """Weight of the router z-loss (ST-MoE; 1e-3 is a usual start), 0 = off."""
+    moe_ffn_hidden_size: int | None = num(None, integer=True, ge=1)
+    """Width of one expert's MLP (None = ffn_hidden_size)."""
+    moe_shared_expert_intermediate_size: int | None = num(None, integer=True, ge=1)
+    """Width of the shared expert every token also goes through (all shared experts together; None = none; Qwen2-MoE)."""
+    moe_shared_expert_gate: bool = False
+    """A sigmoid gate on the shared expert's output (Qwen2-MoE); needs moe_shared_expert_intermediate_size."""
+    moe_layer_freq: int = num(1, ge=1)
+    """One MoE layer every N layers, the others dense: layer i (from 0) is MoE when i % N == 0 (megatron's moe_layer_freq); 1 = every layer."""
+    moe_layer_pattern: list[int] = num([], integer=True, ge=0, le=1)
+    """Instead of moe_layer_freq: per layer 1 (MoE) or 0 (dense MLP), num_layers entries (families that keep dense first layers); empty = moe_layer_freq."""
+    moe_expert_capacity_factor: float | None = num(None, integer=False, gt=0)
+    """Token dropping: each expert takes at most capacity_factor x tokens x top-k / num_experts tokens of a micro batch, the lowest-probability rest are dropped (counted in the metrics); None = no dropping."""
 
     def __post_init__(self) -> None:
         check_domains(self)
@@ -107,6 +138,7 @@ class ModelConfig:
                     self.max_position_embeddings,
                     f"must be >= seq_length={self.seq_length} (learned position table)",
                 )
+        check_moe(self)
 
 
 @dataclass
@@ -137,11 +169,18 @@ class ParallelConfig:
     """fp32, bf16 or fp16 (dynamic loss scaling)."""
     sequence_parallel: bool = False
     """Sequence parallel (needs the Transformer Engine layer spec: GPU only)."""
+    ep: int = num(1, ge=1)
+    """Expert parallel size: the experts of each MoE layer are split over ep ranks, carved out of the data-parallel (and tensor-parallel) ranks of a pipeline stage: ep x etp must divide tp x dp, ep must divide model.num_experts."""
+    etp: int | None = num(None, integer=True, ge=1)
+    """Expert tensor parallel size: each expert's MLP split over etp ranks (None = tp, as megatron-core does); with biases (model.add_bias_linear) megatron-core needs 1."""
+    moe_token_dispatcher: str = "alltoall"
+    """How MoE layers send tokens to the ranks of their experts: alltoall or allgather (megatron-core's token dispatchers)."""
 
     def __post_init__(self) -> None:
         check_domains(self)
         choice("recompute", self.recompute, ("none", "selective", "full"))
         choice("precision", self.precision, ("fp32", "bf16", "fp16"))
+        choice("moe_token_dispatcher", self.moe_token_dispatcher, ("alltoall", "allgather"))
         if self.vpp is not None and self.vpp > 1 and self.pp < 2:
             fail("vpp", self.vpp, "virtual pipeline stages need pp >= 2")
 

@@ -161,11 +161,7 @@ def _merge_sources(
     if task_docs > 0:
         text_files.append("text_train-task")
         blend.append({"prefix": "text_train-task", "weight": 1.0 - text_weight, "source": "task"})
-    for name, c in per.items():
-        if c.get("malformed"):
-            print(
-                f"[data_prep] {name}: skipped {c['malformed']} malformed records, e.g. {c.get('examples', [])}"
-            )
+    _report_malformed(per)
     counts = write_task_files(out, d, held)
     _atomic_write(out / "tokenizer.json", tok_json)
     copy_hf_tokenizer_files(d, out)
@@ -190,6 +186,14 @@ def _merge_sources(
         "sources": per,
         "blend": blend,
     }
+
+
+def _report_malformed(per: dict[str, dict[str, Any]]) -> None:
+    for name, c in per.items():
+        if c.get("malformed"):
+            print(
+                f"[data_prep] {name}: skipped {c['malformed']} malformed records, e.g. {c.get('examples', [])}"
+            )
 
 
 def _check_token_sources(cfg: PipelineConfig, fmts: list[str]) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from bench import bench_attention, bench_throughput
 from pipeline.schema.config import ModelConfig
-from pipeline.schema.estimates import param_count
+from pipeline.schema.params import param_count
 from tests.support.env import REPO, python_env
 
 

@@ -22,13 +22,10 @@ from pipeline.schema.estimates import (
     estimate_stage,
     inflight_layers,
     layer_activation_bytes,
-    layer_params,
-    padded_vocab,
-    param_count,
     rank_activation_bytes,
-    rank_params,
     step_flops,
 )
+from pipeline.schema.params import layer_params, padded_vocab, param_count, rank_params
 from pipeline.schema.sections import ParallelConfig
 from tests.support.env import REPO
 
@@ -336,7 +333,8 @@ def test_every_model_yaml_composes_and_validates(path: Path) -> None:
 
 
 def test_checkpoint_estimate_from_bytes_per_rank_and_bandwidth() -> None:
-    from pipeline.schema.estimates import estimate_stage, param_count
+    from pipeline.schema.estimates import estimate_stage
+    from pipeline.schema.params import param_count
 
     over = ["model=llama3.1-8b", "cluster=gpu_ib", "run.stages=[pretrain]", "pretrain.parallel.tp=8"]
     over += ["pretrain.parallel.nodes=2", "pretrain.parallel.precision=bf16", "cluster.fs_bandwidth_gb_s=4"]

@@ -202,7 +202,7 @@ def test_preflight_constants_match_the_engine() -> None:
     checkpointing = "".join(p.read_text() for p in (root / "checkpoint").glob("*.py"))
     assert f'MARKER = "{preflight.CHECKPOINT_MARKER}"' in checkpointing
     data = (root / "data" / "datasets.py").read_text()
-    for tok in preflight._SPECIAL_TOKENS:
+    for tok in preflight.SPECIAL_TOKENS:
         assert f'"{tok}"' in data
 
 
@@ -306,6 +306,7 @@ def test_run_identity_classifies_every_schema_field() -> None:
                 included |= {f"{stage}.{k}.{x}" for x in v}
             else:
                 included.add(f"{stage}.{k}")
+    included |= {f"model.{f.name}" for f in dataclasses.fields(pc.model) if identity.hashed_when_set(f.name)}
     unclassified, both = [], []
     for leaf in _leaves("", pc):
         parts = leaf.split(".")

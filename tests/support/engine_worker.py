@@ -190,7 +190,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.runtime import distributed as D
 
     model_cfg, par, stage = configs(spec)
-    D.init(par.tp, par.pp, par.vpp, seed=stage.seed, threads=stage.threads)
+    D.init(par.tp, par.pp, par.vpp, ep=par.ep, etp=par.etp, seed=stage.seed, threads=stage.threads)
     try:
         chunks, trainer = build_trainer(spec, model_cfg, par, stage)
         trainer.restore()

@@ -5,7 +5,11 @@ pipeline's role tokens) instead of the pipeline-style one; ``tokenizer="chatml"`
 (ChatML template, ``<|im_end|>`` as eos, none of the pipeline's role tokens); ``"qwen2-instruct"``: the same
 with Qwen2-Instruct's default system turn. ``llama3`` : Llama-3 style: GQA (4 heads, 2 KV heads), RMSNorm, SwiGLU, RoPE with llama3 scaling
 (factor 32), untied embeddings. ``qwen2``: Qwen2 style: query/key/value biases, tied embeddings, a
-vocabulary that TP=2 must pad. Both fp32, hidden 64, 2 layers.
+vocabulary that TP=2 must pad. ``qwen3``: per-head query/key norms, a head_dim (24) unlike hidden / heads.
+Mixture of Experts, 4 experts of width 32, top-2: ``qwen3_moe`` (q/k norms, renormalised top-k),
+``mixtral`` (experts w1/w2/w3), ``qwen2_moe`` (query/key/value biases, top-k not renormalised, a shared
+expert of width 48 with its sigmoid gate, layer 1 dense through mlp_only_layers). All fp32, hidden 64,
+2 layers.
 """
 
 from __future__ import annotations
@@ -173,6 +177,7 @@ def make(
     tokenizer files). llama3: model vocabulary = the tokenizer's; qwen2: 3 more rows (as published Qwen2
     checkpoints have), an odd size that TP=2 pads."""
     import torch
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tok_size = TOKENIZERS.get(tokenizer, make_tokenizer)(out)
@@ -212,6 +217,12 @@ def make(
             **COMMON, **special, vocab_size=vocab_size or tok_size + 3, tie_word_embeddings=True
         )
         cls = Qwen2ForCausalLM
+    elif kind in FAMILY_CONFIGS:
+        name, fields = FAMILY_CONFIGS[kind]
+        cfg = getattr(transformers, f"{name}Config")(
+            **{**COMMON, **special, **fields}, vocab_size=vocab_size or tok_size + 3
+        )
+        cls = getattr(transformers, f"{name}ForCausalLM")
     else:
         raise ValueError(kind)
     model = cls(cfg).float()
@@ -219,9 +230,39 @@ def make(
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(".gate.weight") or "shared_expert_gate" in name:
+                p.normal_(0.0, 0.5)  # routers: clear preferences, far from ties between experts
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3", {"head_dim": 24, "tie_word_embeddings": False}),
+    "qwen3_moe": ("Qwen3Moe", {**MOE, "head_dim": 24, "norm_topk_prob": True, "tie_word_embeddings": False}),
+    "mixtral": (
+        "Mixtral",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "qwen2_moe": (
+        "Qwen2Moe",
+        {
+            **MOE,
+            "norm_topk_prob": False,
+            "shared_expert_intermediate_size": 48,
+            "mlp_only_layers": [1],
+            "tie_word_embeddings": False,
+        },
+    ),
+}
+"""kind -> (transformers class prefix, config fields beyond COMMON) of the Qwen3 and MoE test models."""
 
 
 def hf_logits(model_dir: Path, tokens: list[list[int]]) -> Any:

@@ -1,8 +1,9 @@
 """Subprocess worker for the Hugging Face conversion tests: one rank imports a HF directory, runs a forward.
 
 Run through ``engine_worker.launch(world, spec, tmp, script=<this file>)``. SPEC keys: hf_dir, parallel
-(ParallelConfig overrides), tokens (a [b, s] list), logits (an .npy path: written by the rank holding the
-last pipeline stage's TP rank 0, full vocabulary, unpadded), save_weights (a checkpoint root: save the
+(ParallelConfig overrides), tokens (a [b, s] list; with dp > 1 data-parallel rank r takes rows r::dp), logits
+(an .npy path: written by the rank holding the last pipeline stage's TP rank 0, full vocabulary, unpadded; with
+dp > 1 one file per data-parallel rank, ``<stem>.dp<r>.npy``), save_weights (a checkpoint root: save the
 imported weights there as iteration 0), out (rank 0's result file).
 """
 
@@ -60,10 +61,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from pipeline.schema.sections import ParallelConfig
 
     tokens = torch.tensor(spec["tokens"], dtype=torch.long)
-    b, seq = tokens.shape
+    seq = tokens.shape[1]
     model = model_config(Path(spec["hf_dir"]), seq_length=seq)
+    b = len(spec["tokens"])
     par = ParallelConfig(**{"micro_batch_size": b, "global_batch_size": b, **spec.get("parallel", {})})
-    D.init(par.tp, par.pp, par.vpp, seed=1, threads=1)
+    D.init(par.tp, par.pp, par.vpp, ep=par.ep, etp=par.etp, seed=1, threads=1)
     try:
         chunks = build_model(model, par, model.vocab_size or 0)
         read = load_hf(chunks, Path(spec["hf_dir"]), model)
@@ -71,9 +73,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             from engine.checkpoint.save import save
 
             save(Path(spec["save_weights"]), 0, model_chunks=chunks, optimizer=None, scheduler=None, state={})
-        logits = forward_logits(chunks, tokens, seq)
+        mine = tokens[D.dp_rank() :: D.dp_size()]  # each data-parallel rank its own rows (EP dispatches them)
+        logits = forward_logits(chunks, mine, seq)
         if logits is not None and D.tp_rank() == 0 and spec.get("logits"):
-            np.save(spec["logits"], logits[..., : model.vocab_size].float().numpy())
+            path = Path(spec["logits"])
+            if D.dp_size() > 1:
+                path = path.with_suffix(f".dp{D.dp_rank()}.npy")
+            np.save(path, logits[..., : model.vocab_size].float().numpy())
         return {"read": read, "rank": D.rank()}
     finally:
         D.shutdown()

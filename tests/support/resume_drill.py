@@ -101,7 +101,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         del optim_fix._PATCHES[name]
     model_cfg, par = ModelConfig(**spec["model"]), ParallelConfig(**spec["parallel"])
     stage = TrainStage(parallel=par, iters=4, save_interval=2, warmup_iters=1, threads=1, log_interval=1)
-    D.init(par.tp, par.pp, par.vpp, seed=stage.seed, threads=stage.threads)
+    D.init(par.tp, par.pp, par.vpp, ep=par.ep, etp=par.etp, seed=stage.seed, threads=stage.threads)
     dump, timings = Path(spec["dump"]), {"save_s": [], "load_s": None}
     dump.mkdir(parents=True, exist_ok=True)
 

@@ -157,7 +157,8 @@ def test_planner_counts_the_adapters_the_engine_trains() -> None:
     """The planner's LoRA parameter count equals the engine's (9,728 trainable in test_lora_tp2_matches_tp1);
     gradients and optimizer state cover the adapters only, and the checkpoint holds only them."""
     from pipeline.schema.config import ModelConfig
-    from pipeline.schema.estimates import estimate_stage, lora_layer_params
+    from pipeline.schema.estimates import estimate_stage
+    from pipeline.schema.params import lora_layer_params
 
     model = ModelConfig(
         **{**MODEL_TP, "activation": "swiglu", "normalization": "RMSNorm", "add_bias_linear": False}
