@@ -185,6 +185,7 @@ def build_stage(
     from engine.checkpoint.integrity import set_verify_mode
     from engine.data.datasets import load_tokenizer
     from engine.models.gpt import build_model
+    from engine.models.moe import routing_stats
     from engine.runtime import distributed as D
     from engine.runtime.fault_injection import FaultInjector
     from engine.runtime.signals import StopFlag, Watchdog
@@ -229,6 +230,7 @@ def build_stage(
         watchdog=watchdog,
         callbacks=callbacks,
         meter=StepMeter(flops, peak_tflops(cfg), D.world_size()),
+        routing=routing_stats(chunks, cfg.model, par),
     )
     trainer = Trainer(
         chunks,

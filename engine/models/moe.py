@@ -165,6 +165,11 @@ class RoutingStats:
         return out
 
 
+def routing_stats(chunks: list[Any], model: ModelConfig, par: ParallelConfig) -> RoutingStats | None:
+    """The routing statistics of a MoE model's chunks (None for a dense model)."""
+    return RoutingStats(chunks, model, par.sequence_parallel) if is_moe(model) else None
+
+
 def _reduce_counts(counts: torch.Tensor, tp_distinct: bool) -> torch.Tensor:
     """Counts summed over the data- and context-parallel ranks (different tokens) and the pipeline stages
     (different layers); tensor-parallel peers route the same tokens (unless ``tp_distinct``: sequence
@@ -175,7 +180,7 @@ def _reduce_counts(counts: torch.Tensor, tp_distinct: bool) -> torch.Tensor:
 
     if D.world_size() == 1:
         return counts.clone()
-    t = counts.to(D.device())
+    t = counts.to(D.device(), copy=True)
     if D.tp_rank() != 0 and not tp_distinct:
         t = torch.zeros_like(t)
     dist.all_reduce(t)
@@ -223,7 +228,7 @@ def _tracked_losses(
     moe_utils.clear_aux_losses_tracker()
     if not rows:
         return {}
-    t = torch.stack(rows)
+    t = torch.stack(rows)  # a new tensor: reduced in place below
     if D.world_size() > 1:
         t = t.to(D.device())
         dist.all_reduce(t)

@@ -14,7 +14,7 @@ from typing import Any, Protocol, cast
 
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.graph import TRAIN_STAGES, spec
-from pipeline.schema.moe import check_moe_layout
+from pipeline.schema.moe import check_moe_layout, check_moe_training
 
 # What a layout reads of the config, as protocols: pipeline.schema.build validates with check_layout, so this
 # module names the fields it reads instead of importing the schema (no cycle, type-only included).
@@ -199,6 +199,7 @@ def check_layout(cfg: _Config, stage: str) -> ParallelPlan:
     _check_model_split(cfg.model, par, key)
     plan = stage_plan(cfg, stage)
     check_moe_layout(cfg.model, par, key, par.tp * plan.dp)
+    check_moe_training(cfg.model, par, key)
     _check_batch(par, plan, key)
     _check_features(cfg, par, key)
     return plan

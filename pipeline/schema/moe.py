@@ -178,3 +178,14 @@ def check_moe_layout(model: _MoEModel, par: _ExpertParallel, key: str, tp_dp: in
             f"{key}.etp={etp}: megatron-core supports biases in experts only with etp=1 "
             f"(model.add_bias_linear=true); set {key}.etp=1 or model.add_bias_linear=false"
         )
+
+
+def check_moe_training(model: Any, par: Any, key: str) -> None:
+    """A training stage's layout for a MoE model: megatron-core's MoE layer refuses to train with tensor
+    parallelism but without sequence parallel (which needs Transformer Engine)."""
+    if is_moe(model) and par.tp > 1 and not par.sequence_parallel:
+        raise ConfigError(
+            f"{key}.tp={par.tp}: megatron-core's MoE layer trains with tensor parallelism only together with "
+            f"sequence parallel ({key}.sequence_parallel=true, Transformer Engine needed); split a MoE model "
+            f"with {key}.ep, dp and pp instead, or set {key}.tp=1"
+        )
