@@ -197,6 +197,7 @@ def build_model(
             module = customize(module)
         expert_tp = (D.etp_rank(), D.etp_size())
         init_by_global_name(module, config, D.base_seed(), D.tp_rank(), par.tp, expert_tp)  # any layout: same
+        moe.experts_apart(module)  # one optimizer structure at every EP: checkpoints reshard over EP
         if peft is not None and peft.method == "lora":
             from engine.models.lora import apply_lora
 

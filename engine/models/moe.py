@@ -99,6 +99,20 @@ def block_spec(model: ModelConfig, config: Any, dense: Any, sparse: Any, vp_stag
     return TransformerBlockSubmodules(layer_specs=local, layer_norm=LayerNormImpl)
 
 
+def experts_apart(module: Any) -> int:
+    """Mark every routed expert's parameter as megatron marks them under expert parallelism (``allreduce``
+    False: DDP reduces them over the expert-data-parallel group, the optimizer keeps them in its own
+    chained part), at ep=1 too; returns how many. Then every EP layout has the same optimizer structure
+    (dense + expert) and a checkpoint saved at one EP loads at another. At ep=1 the expert-data-parallel
+    group is the data-parallel group: the same reduction."""
+    marked = 0
+    for name, param in module.named_parameters():
+        if ".mlp.experts." in f".{name}":
+            param.allreduce = False  # megatron's own attribute for this (tensor_parallel.layers)
+            marked += 1
+    return marked
+
+
 # ---------------------------------------------------------------------------- routing statistics
 
 
