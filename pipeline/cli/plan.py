@@ -109,9 +109,10 @@ def _bytes(n: float) -> str:
 def _header(est: StageEstimate) -> list[str]:
     pl, par = est.plan, est.parallel
     gpus = f"{pl.gpus_per_node} GPUs/node" if pl.gpus_per_node else "CPU ranks"
+    experts = f" ep={pl.ep} etp={pl.etp}" if est.model.num_experts else ""
     return [
         f"== {est.stage} " + "=" * 60,
-        f"layout    tp={pl.tp} pp={pl.pp} dp={pl.dp} vpp={pl.vpp or '-'}: {pl.world_size} ranks on {pl.nodes} "
+        f"layout    tp={pl.tp} pp={pl.pp} dp={pl.dp} vpp={pl.vpp or '-'}{experts}: {pl.world_size} ranks on {pl.nodes} "
         f"node(s) x {pl.tasks_per_node} tasks/node ({gpus})",
         f"batch     global {par.global_batch_size} = micro {par.micro_batch_size} x {est.micro_batches} micro "
         f"batches x dp {pl.dp}; {est.model.seq_length} tokens/sequence, {_count(est.tokens_per_step)} tokens/step",

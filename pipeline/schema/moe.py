@@ -143,9 +143,9 @@ def _check_layers(model: Any) -> None:
         fail("moe_layer_pattern", pattern, "no MoE layer: list at least one 1, or set num_experts to null")
 
 
-def check_moe_layout(model: _MoEModel, par: _ExpertParallel, key: str, tp_dp: int) -> None:
-    """A stage's ep/etp against the model and its ranks: ``tp_dp`` = tp x dp, the ranks of one pipeline stage
-    (megatron-core carves the expert-parallel groups out of them: world must divide by etp x ep x pp)."""
+def check_moe_layout(model: _MoEModel, par: _ExpertParallel, key: str) -> None:
+    """A stage's ep/etp against the model: experts split evenly over ep, expert widths over etp (before the
+    plan: these errors name the expert count, not a rank count derived from it)."""
     n = model.num_experts
     if not n:
         for name, value, default in (("ep", par.ep, 1), ("etp", par.etp, None)):
@@ -158,11 +158,6 @@ def check_moe_layout(model: _MoEModel, par: _ExpertParallel, key: str, tp_dp: in
     if n % par.ep:
         raise ConfigError(f"{key}.ep={par.ep}: does not divide the {n} experts of model.num_experts")
     etp = par.etp or par.tp
-    if tp_dp % (par.ep * etp):
-        raise ConfigError(
-            f"{key}.ep={par.ep}: ep x etp = {par.ep} x {etp} must divide tp x dp = {tp_dp} (expert-parallel "
-            "groups are carved out of the data- and tensor-parallel ranks of a pipeline stage); raise dp"
-        )
     width = expert_ffn(model)
     if width % etp:
         raise ConfigError(
@@ -177,6 +172,17 @@ def check_moe_layout(model: _MoEModel, par: _ExpertParallel, key: str, tp_dp: in
         raise ConfigError(
             f"{key}.etp={etp}: megatron-core supports biases in experts only with etp=1 "
             f"(model.add_bias_linear=true); set {key}.etp=1 or model.add_bias_linear=false"
+        )
+
+
+def check_expert_ranks(par: _ExpertParallel, key: str, tp_dp: int) -> None:
+    """ep x etp against the ranks of one pipeline stage, ``tp_dp`` = tp x dp (megatron-core carves the
+    expert-parallel groups out of them: the world must divide by etp x ep x pp)."""
+    etp = par.etp or par.tp
+    if tp_dp % (par.ep * etp):
+        raise ConfigError(
+            f"{key}.ep={par.ep}: ep x etp = {par.ep} x {etp} must divide tp x dp = {tp_dp} (expert-parallel "
+            "groups are carved out of the data- and tensor-parallel ranks of a pipeline stage); raise dp"
         )
 
 

@@ -49,11 +49,12 @@ BAD = [
         "pretrain.parallel.ep=4: does not divide the 6 experts of model.num_experts",
     ),
     (
-        ["model.num_experts=8", "pretrain.parallel.ep=2"],
+        ["model.num_experts=8", "pretrain.parallel.dp=1", "pretrain.parallel.ep=2"],
         "pretrain.parallel.ep=2: ep x etp = 2 x 1 must divide tp x dp = 1",
     ),
     (
-        [*MOE, "pretrain.parallel.tp=2", "pretrain.parallel.ep=2"],
+        [*MOE, "model.add_bias_linear=false", "pretrain.parallel.tp=2", "pretrain.parallel.dp=1"]
+        + ["pretrain.parallel.ep=2"],
         "pretrain.parallel.ep=2: ep x etp = 2 x 2 must divide tp x dp = 2",
     ),
     (
@@ -100,6 +101,14 @@ def test_ep_in_the_plan_adds_no_ranks() -> None:
     assert (plan.world_size, plan.ep, plan.etp, plan.nodes) == (4, 2, 2, 2)  # ranks_per_node=2
     cfg = load_config([*only_prep, "pretrain.parallel.ep=2", "pretrain.parallel.etp=1"])
     assert stage_plan(cfg, "pretrain").world_size == 2  # EP2 over the two tensor-parallel ranks
+
+
+def test_ep_alone_derives_the_data_parallel_ranks() -> None:
+    plan = stage_plan(load_config([*MOE, "pretrain.parallel.ep=2"]), "pretrain")
+    assert (plan.dp, plan.ep, plan.world_size) == (2, 2, 2)
+    assert stage_plan(load_config(MOE), "pretrain").dp == 1
+    with pytest.raises(ConfigError, match=r"^pretrain.parallel.ep=3: does not divide the 4 experts of model"):
+        load_config([*MOE, "pretrain.parallel.ep=3"])
 
 
 def test_moe_layers() -> None:
