@@ -98,6 +98,12 @@ def check_moe(model: Any) -> None:
         fail(
             "moe_shared_expert_gate", True, "gates the shared expert: set moe_shared_expert_intermediate_size"
         )
+    if model.moe_shared_expert_intermediate_size is not None and model.add_bias_linear:
+        fail(
+            "moe_shared_expert_intermediate_size",
+            model.moe_shared_expert_intermediate_size,
+            "megatron-core's shared expert has no biases: set add_bias_linear=false",
+        )
     coeff = next(f for f in dataclasses.fields(model) if f.name == "moe_aux_loss_coeff")
     if model.moe_router_load_balancing_type == "none" and model.moe_aux_loss_coeff != _default(coeff):
         fail(

@@ -33,6 +33,10 @@ BAD = [
         [*MOE, "model.moe_shared_expert_gate=true"],
         "model.moe_shared_expert_gate=True: gates the shared expert",
     ),
+    (
+        [*MOE, "model.moe_shared_expert_intermediate_size=64"],
+        "model.moe_shared_expert_intermediate_size=64: megatron-core's shared expert has no biases",
+    ),
     ([*MOE, "model.moe_layer_pattern=[1,0,1]"], "model.moe_layer_pattern=[1, 0, 1]: must list num_layers=4"),
     ([*MOE, "model.moe_layer_pattern=[0,0,0,0]"], "model.moe_layer_pattern=[0, 0, 0, 0]: no MoE layer"),
     ([*MOE, "model.moe_layer_pattern=[1,0,1,0]", "model.moe_layer_freq=2"], "model.moe_layer_pattern="),
@@ -64,6 +68,7 @@ BAD = [
     (
         [
             *MOE,
+            "model.add_bias_linear=false",
             "model.moe_shared_expert_intermediate_size=63",
             "pretrain.parallel.tp=2",
             "pretrain.parallel.etp=1",

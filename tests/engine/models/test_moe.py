@@ -113,3 +113,28 @@ def test_routing_collapse_alarm_fires_after_n_logged_lines() -> None:
     for step in range(5):
         alarms.check(10 + step, everyone)
     assert len(out) == 1
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_lora_on_a_moe_model_adapts_attention_and_dense_linears_at_any_ep(tmp_path: Path) -> None:
+    lora = {
+        "method": "lora",
+        "rank": 4,
+        "alpha": 8.0,
+        "target_modules": ["linear_qkv", "linear_fc1", "linear_fc2"],
+    }
+    model = {
+        "moe_shared_expert_intermediate_size": 64,
+        "moe_shared_expert_gate": True,
+        "add_bias_linear": False,
+    }
+    one = launch(1, spec(model=model, peft=lora, stage={"iters": 3, "lr": 1e-2}), tmp_path / "one")
+    two = launch(
+        2, spec({"dp": 2, "ep": 2}, model=model, peft=lora, stage={"iters": 3, "lr": 1e-2}), tmp_path / "ep2"
+    )
+    # adapters: 2 layers x (qkv + shared expert fc1, fc2) x (A, B); experts and router frozen
+    assert one["trainable_rank0"] == two["trainable_rank0"] > 0
+    losses = history(one, "loss")
+    assert losses[-1] < losses[0]
+    assert max_rel_delta(history(two, "loss"), losses) < FP32_REL
