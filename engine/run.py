@@ -191,6 +191,7 @@ def build_stage(
     from engine.data.datasets import load_tokenizer
     from engine.data.truncation import stage_limit
     from engine.models.gpt import build_model
+    from engine.models.moe import routing_stats
     from engine.runtime import distributed as D
     from engine.runtime.fault_injection import FaultInjector
     from engine.runtime.signals import StopFlag, Watchdog
@@ -239,6 +240,7 @@ def build_stage(
         watchdog=watchdog,
         callbacks=callbacks,
         meter=StepMeter(flops, peak_tflops(cfg), D.world_size()),
+        routing=routing_stats(chunks, cfg.model, par),
     )
     trainer = Trainer(
         chunks,

@@ -1,4 +1,4 @@
-"""Alarms: loss spike, gradient-norm explosion, throughput drop, no progress (rank 0 only).
+"""Alarms: loss spike, gradient-norm explosion, throughput drop, no progress, MoE routing collapse (rank 0 only).
 
 Each firing writes ``{"kind": "alarm", "alarm", "step", "message", "value", "threshold"}`` to the stage's
 metrics.jsonl and a warning to the log; ``pipeline.submit.launch`` copies the alarm lines into the run's
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import statistics
 import threading
 import time
@@ -22,6 +23,8 @@ from pipeline.schema.stage_sections import MonitorConfig
 log = logging.getLogger(__name__)
 
 LOSS_SPIKE, GRAD_NORM, THROUGHPUT, STALL = "loss_spike", "grad_norm", "throughput_drop", "stall"
+ROUTING_COLLAPSE = "routing_collapse"
+_TOKENS_MAX = re.compile(r"^moe_layer(\d+)_tokens_max$")
 
 
 class Alarms(Callback):
@@ -38,6 +41,8 @@ class Alarms(Callback):
         self.step = 0
         self.last_progress = clock()
         self._stalled_at: int | None = None
+        self._collapsed: dict[int, int] = {}
+        """MoE layer -> logged lines in a row with a collapsed routing."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -91,6 +96,28 @@ class Alarms(Callback):
                     msg = f"{tps:,.0f} tokens/s < {c.alarm_throughput_drop:g} x running median {med:,.0f}"
                     self.fire(THROUGHPUT, step, msg, tps, c.alarm_throughput_drop * med)
             self.speeds = (self.speeds + [tps])[-50:]
+        self.check_routing(step, m)
+
+    def check_routing(self, step: int, m: Any) -> None:
+        """Routing collapse: one expert gets >= alarm_routing_collapse of a MoE layer's tokens (and some expert
+        less: top-k of few experts gives every expert all tokens), alarm_routing_steps logged lines in a row."""
+        c = self.cfg
+        if not c.alarm_routing_collapse:
+            return
+        for key, top in m.items():
+            match = _TOKENS_MAX.match(key)
+            if not match or not isinstance(top, (int, float)):
+                continue
+            layer = int(match.group(1))
+            low = m.get(f"moe_layer{layer}_tokens_min", 0.0)
+            collapsed = top >= c.alarm_routing_collapse and low < c.alarm_routing_collapse
+            self._collapsed[layer] = self._collapsed.get(layer, 0) + 1 if collapsed else 0
+            if self._collapsed[layer] == c.alarm_routing_steps:
+                msg = (
+                    f"MoE layer {layer}: one expert got {top:.0%} of the tokens for {c.alarm_routing_steps} "
+                    "logged steps (routing collapse; raise model.moe_aux_loss_coeff)"
+                )
+                self.fire(ROUTING_COLLAPSE, step, msg, top, c.alarm_routing_collapse)
 
     def check_stall(self) -> None:
         """Fire once per stalled step when no step ended for ``alarm_stall_s``."""

@@ -230,6 +230,7 @@ def build_model(
         init_by_global_name(
             module, config, D.base_seed(), D.tp_rank(), par.tp, vocab, expert_tp
         )  # any layout
+        moe.experts_apart(module)  # one optimizer structure at every EP: checkpoints reshard over EP
         if peft is not None and peft.method == "lora":
             from engine.models.lora import apply_lora
 

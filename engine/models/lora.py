@@ -4,7 +4,8 @@
 (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``, as named by ``peft.target_modules``) into
 LoRA linears: ``y = W x + (alpha / r) * B A dropout(x)``, with two parameters on the linear itself,
 ``<linear>.lora_a`` (A: r x in) and ``<linear>.lora_b`` (B: out x r), and freezes every other parameter
-(``requires_grad=False``: megatron's DDP and optimizer then only see the adapters). The layouts agree:
+(``requires_grad=False``: megatron's DDP and optimizer then only see the adapters). A MoE model's routed
+experts and router are not adapted (frozen with the rest). The layouts agree:
 
 - column-parallel base (W split on its output dim): A is replicated, B split on the output dim like W;
   ``h = A x`` passes megatron's copy-to-TP region, so the gradient of A (and of x) is summed over the TP

@@ -99,6 +99,20 @@ def block_spec(model: ModelConfig, config: Any, dense: Any, sparse: Any, vp_stag
     return TransformerBlockSubmodules(layer_specs=local, layer_norm=LayerNormImpl)
 
 
+def experts_apart(module: Any) -> int:
+    """Mark every routed expert's parameter as megatron marks them under expert parallelism (``allreduce``
+    False: DDP reduces them over the expert-data-parallel group, the optimizer keeps them in its own
+    chained part), at ep=1 too; returns how many. Then every EP layout has the same optimizer structure
+    (dense + expert) and a checkpoint saved at one EP loads at another. At ep=1 the expert-data-parallel
+    group is the data-parallel group: the same reduction."""
+    marked = 0
+    for name, param in module.named_parameters():
+        if ".mlp.experts." in f".{name}":
+            param.allreduce = False  # megatron's own attribute for this (tensor_parallel.layers)
+            marked += 1
+    return marked
+
+
 # ---------------------------------------------------------------------------- routing statistics
 
 
@@ -165,6 +179,11 @@ class RoutingStats:
         return out
 
 
+def routing_stats(chunks: list[Any], model: ModelConfig, par: ParallelConfig) -> RoutingStats | None:
+    """The routing statistics of a MoE model's chunks (None for a dense model)."""
+    return RoutingStats(chunks, model, par.sequence_parallel) if is_moe(model) else None
+
+
 def _reduce_counts(counts: torch.Tensor, tp_distinct: bool) -> torch.Tensor:
     """Counts summed over the data- and context-parallel ranks (different tokens) and the pipeline stages
     (different layers); tensor-parallel peers route the same tokens (unless ``tp_distinct``: sequence
@@ -175,7 +194,7 @@ def _reduce_counts(counts: torch.Tensor, tp_distinct: bool) -> torch.Tensor:
 
     if D.world_size() == 1:
         return counts.clone()
-    t = counts.to(D.device())
+    t = counts.to(D.device(), copy=True)
     if D.tp_rank() != 0 and not tp_distinct:
         t = torch.zeros_like(t)
     dist.all_reduce(t)
@@ -223,7 +242,7 @@ def _tracked_losses(
     moe_utils.clear_aux_losses_tracker()
     if not rows:
         return {}
-    t = torch.stack(rows)
+    t = torch.stack(rows)  # a new tensor: reduced in place below
     if D.world_size() > 1:
         t = t.to(D.device())
         dist.all_reduce(t)

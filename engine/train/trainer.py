@@ -23,6 +23,7 @@ import torch
 
 from engine.checkpoint.manager import Checkpointer
 from engine.context import MetricsWriter
+from engine.models.moe import RoutingStats
 from engine.runtime import distributed as D
 from engine.runtime.fault_injection import FaultInjector
 from engine.runtime.signals import Preempted, StopFlag, Watchdog
@@ -55,6 +56,8 @@ class LoopServices:
     """Sinks and alarms (engine.callbacks): called at train start/end, step end, eval, save, stop."""
     meter: StepMeter | None = None
     """Time split of each step, TFLOP/s, MFU and memory in the train lines (engine.train.meter)."""
+    routing: RoutingStats | None = None
+    """A MoE model's routing statistics and load-balancing losses, added to each step's metrics (engine.models.moe)."""
 
 
 class Trainer:
@@ -94,6 +97,7 @@ class Trainer:
         self.faults, self.stop_flag, self.watchdog = services.faults, services.stop_flag, services.watchdog
         self.callbacks = services.callbacks or Callbacks()
         self.meter = services.meter or StepMeter()
+        self.routing = services.routing
         self.iteration = 0
         self.resume_info: dict[str, Any] | None = None
         self._start, self._t0, self._window = (
@@ -151,8 +155,9 @@ class Trainer:
         lr = float(self.optimizer.param_groups[0]["lr"])
         overflows = self.overflow_steps
         sums: dict[str, list[float]] = {}
-        applied, grad_norm = False, None
+        applied, grad_norm, micro = False, None, 0
         for batches in updates:
+            micro += len(batches)
             for chunk in self.chunks:
                 if not chunk.training:  # eval() / generation set the root's mode; train() walks every module
                     chunk.train()
@@ -175,6 +180,8 @@ class Trainer:
             self.scheduler.step(increment=1)
         out = D.reduce_metrics({n: tuple(sums.get(n, (0.0, 0.0))) for n in self.step.metric_names})
         out.update(self.unit.metrics())
+        if self.routing is not None:
+            out.update(self.routing.collect(micro))
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["lr"] = lr
         if par.precision == "fp16":

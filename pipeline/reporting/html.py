@@ -17,6 +17,7 @@ from typing import Any
 
 from pipeline.records.alarm_log import read_alarms
 from pipeline.records.ledger import Ledger, read_metrics
+from pipeline.reporting.moe import moe_charts
 from pipeline.reporting.svg import PALETTE, Series, line_chart
 from pipeline.schema.graph import STAGES, TRAIN_STAGES
 
@@ -94,6 +95,7 @@ def stage_curves(stage: str, recs: list[dict[str, Any]]) -> str:
         if key == "loss":
             series.append(("valid", *_series(recs, "valid", "loss")))
         charts.append(line_chart(f"{stage}: {title}", series))
+    charts += moe_charts(stage, recs)  # a MoE model's routing (pipeline/reporting/moe.py)
     return f'<div class="plots" id="curves-{stage}">{"".join(charts)}</div>'
 
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol, cast
 
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.graph import TRAIN_STAGES, spec
-from pipeline.schema.moe import check_moe_layout
+from pipeline.schema.moe import check_expert_ranks, check_moe_layout, check_moe_training
 
 # What a layout reads of the config, as protocols: pipeline.schema.build validates with check_layout, so this
 # module names the fields it reads instead of importing the schema (no cycle, type-only included).
@@ -152,7 +152,8 @@ def stage_plan(cfg: _Config, stage: str) -> ParallelPlan:
         dp = nodes * per_node // mp
         world = mp * dp
     else:
-        dp, world = 1, mp
+        dp = _fewest_dp(par)
+        world = mp * dp
         nodes = math.ceil(world / per_node)
     if world % nodes:
         raise ConfigError(
@@ -174,6 +175,13 @@ def stage_plan(cfg: _Config, stage: str) -> ParallelPlan:
     return ParallelPlan(par.tp, par.pp, dp, par.vpp, world, nodes, tasks, gpus, cpus, ep=par.ep, etp=etp)
 
 
+def _fewest_dp(par: _Parallel) -> int:
+    """dp when neither dp nor nodes is given: 1, or the fewest data-parallel ranks that hold the expert
+    groups (megatron carves ep x etp out of tp x dp: ``pretrain.parallel.ep=2`` alone means dp=2)."""
+    experts = par.ep * (par.etp or par.tp)
+    return math.lcm(par.tp, experts) // par.tp
+
+
 def check_layout(cfg: _Config, stage: str) -> ParallelPlan:
     """All layout checks for one stage, before anything is submitted."""
     st = cfg.stage(stage)
@@ -183,7 +191,8 @@ def check_layout(cfg: _Config, stage: str) -> ParallelPlan:
         plan = stage_plan(cfg, stage)
         if stage == "eval" and par.pp == 1:  # eval runs tensor parallel (same numbers as one rank)
             _check_model_split(cfg.model, par, key)
-            check_moe_layout(cfg.model, par, key, par.tp * plan.dp)
+            check_moe_layout(cfg.model, par, key)
+            check_expert_ranks(par, key, par.tp * plan.dp)
             return plan
         if par.tp * par.pp != 1:
             what = "tp=1 and pp=1" if stage != "eval" else "pp=1 (tensor parallel works)"
@@ -197,8 +206,10 @@ def check_layout(cfg: _Config, stage: str) -> ParallelPlan:
             f"{stage}.seq_length={st.seq_length}: must be <= model.seq_length={cfg.model.seq_length}"
         )
     _check_model_split(cfg.model, par, key)
+    check_moe_layout(cfg.model, par, key)
     plan = stage_plan(cfg, stage)
-    check_moe_layout(cfg.model, par, key, par.tp * plan.dp)
+    check_expert_ranks(par, key, par.tp * plan.dp)
+    check_moe_training(cfg.model, par, key)
     _check_batch(par, plan, key)
     _check_features(cfg, par, key)
     return plan

@@ -98,6 +98,12 @@ def check_moe(model: Any) -> None:
         fail(
             "moe_shared_expert_gate", True, "gates the shared expert: set moe_shared_expert_intermediate_size"
         )
+    if model.moe_shared_expert_intermediate_size is not None and model.add_bias_linear:
+        fail(
+            "moe_shared_expert_intermediate_size",
+            model.moe_shared_expert_intermediate_size,
+            "megatron-core's shared expert has no biases: set add_bias_linear=false",
+        )
     coeff = next(f for f in dataclasses.fields(model) if f.name == "moe_aux_loss_coeff")
     if model.moe_router_load_balancing_type == "none" and model.moe_aux_loss_coeff != _default(coeff):
         fail(
@@ -143,9 +149,9 @@ def _check_layers(model: Any) -> None:
         fail("moe_layer_pattern", pattern, "no MoE layer: list at least one 1, or set num_experts to null")
 
 
-def check_moe_layout(model: _MoEModel, par: _ExpertParallel, key: str, tp_dp: int) -> None:
-    """A stage's ep/etp against the model and its ranks: ``tp_dp`` = tp x dp, the ranks of one pipeline stage
-    (megatron-core carves the expert-parallel groups out of them: world must divide by etp x ep x pp)."""
+def check_moe_layout(model: _MoEModel, par: _ExpertParallel, key: str) -> None:
+    """A stage's ep/etp against the model: experts split evenly over ep, expert widths over etp (before the
+    plan: these errors name the expert count, not a rank count derived from it)."""
     n = model.num_experts
     if not n:
         for name, value, default in (("ep", par.ep, 1), ("etp", par.etp, None)):
@@ -158,11 +164,6 @@ def check_moe_layout(model: _MoEModel, par: _ExpertParallel, key: str, tp_dp: in
     if n % par.ep:
         raise ConfigError(f"{key}.ep={par.ep}: does not divide the {n} experts of model.num_experts")
     etp = par.etp or par.tp
-    if tp_dp % (par.ep * etp):
-        raise ConfigError(
-            f"{key}.ep={par.ep}: ep x etp = {par.ep} x {etp} must divide tp x dp = {tp_dp} (expert-parallel "
-            "groups are carved out of the data- and tensor-parallel ranks of a pipeline stage); raise dp"
-        )
     width = expert_ffn(model)
     if width % etp:
         raise ConfigError(
@@ -192,4 +193,26 @@ def check_moe_peft(model: Any, peft: Any, key: str) -> None:
             f"{key}.peft.target_modules={list(peft.target_modules)}: every MLP of this MoE model is routed experts, "
             f"which LoRA does not adapt ({mlp} would adapt nothing); set {key}.peft.target_modules="
             f"[{','.join(attention)}]"
+        )
+
+
+def check_expert_ranks(par: _ExpertParallel, key: str, tp_dp: int) -> None:
+    """ep x etp against the ranks of one pipeline stage, ``tp_dp`` = tp x dp (megatron-core carves the
+    expert-parallel groups out of them: the world must divide by etp x ep x pp)."""
+    etp = par.etp or par.tp
+    if tp_dp % (par.ep * etp):
+        raise ConfigError(
+            f"{key}.ep={par.ep}: ep x etp = {par.ep} x {etp} must divide tp x dp = {tp_dp} (expert-parallel "
+            "groups are carved out of the data- and tensor-parallel ranks of a pipeline stage); raise dp"
+        )
+
+
+def check_moe_training(model: Any, par: Any, key: str) -> None:
+    """A training stage's layout for a MoE model: megatron-core's MoE layer refuses to train with tensor
+    parallelism but without sequence parallel (which needs Transformer Engine)."""
+    if is_moe(model) and par.tp > 1 and not par.sequence_parallel:
+        raise ConfigError(
+            f"{key}.tp={par.tp}: megatron-core's MoE layer trains with tensor parallelism only together with "
+            f"sequence parallel ({key}.sequence_parallel=true, Transformer Engine needed); split a MoE model "
+            f"with {key}.ep, dp and pp instead, or set {key}.tp=1"
         )

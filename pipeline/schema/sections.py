@@ -152,7 +152,7 @@ class ParallelConfig:
     vpp: int | None = num(None, integer=True, ge=1)
     """Virtual pipeline stages per pipeline rank (interleaved 1F1B); None = plain 1F1B."""
     dp: int | None = num(None, integer=True, ge=1)
-    """Data parallel size (None = derived from nodes, or 1)."""
+    """Data parallel size (None = derived from nodes, or the fewest ranks the expert-parallel groups need: ep x etp / tp, 1 for a dense model)."""
     nodes: int | None = num(None, integer=True, ge=1)
     """Nodes for this stage (None = the fewest that hold tp x pp x dp ranks)."""
     micro_batch_size: int = num(4, ge=1)

@@ -55,6 +55,10 @@ class MonitorConfig:
     """Alarm when no step ends for this many seconds (the watchdog, hang_timeout_s, may kill later); 0 = off."""
     alarm_warmup: int = num(3, ge=0)
     """Logged lines before the loss-spike and throughput alarms compare against their running figures."""
+    alarm_routing_collapse: float = num(0.9, gt=0, le=1, or_zero=True)
+    """MoE: alarm when one expert gets at least this share of a MoE layer's tokens (moe_layer<i>_tokens_max) while another gets less, for alarm_routing_steps logged lines in a row; 0 = off."""
+    alarm_routing_steps: int = num(3, ge=1)
+    """Logged lines in a row a routing collapse must last before its alarm fires."""
 
     def __post_init__(self) -> None:
         check_domains(self)

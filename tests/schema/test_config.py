@@ -32,6 +32,8 @@ def test_default_composes_and_validates() -> None:
 def test_every_shipped_yaml_composes_and_validates(group: str, option: str) -> None:
     if group == "parallel":
         overrides = [f"parallel@pretrain.parallel={option}"]
+        if option.startswith("ep"):  # expert parallel layouts need a MoE model
+            overrides.append("experiment=moe-tiny")
     else:
         overrides = [f"{group}={option}"]
     if group == "cluster" and option not in ("local", "debug"):

@@ -33,6 +33,10 @@ BAD = [
         [*MOE, "model.moe_shared_expert_gate=true"],
         "model.moe_shared_expert_gate=True: gates the shared expert",
     ),
+    (
+        [*MOE, "model.moe_shared_expert_intermediate_size=64"],
+        "model.moe_shared_expert_intermediate_size=64: megatron-core's shared expert has no biases",
+    ),
     ([*MOE, "model.moe_layer_pattern=[1,0,1]"], "model.moe_layer_pattern=[1, 0, 1]: must list num_layers=4"),
     ([*MOE, "model.moe_layer_pattern=[0,0,0,0]"], "model.moe_layer_pattern=[0, 0, 0, 0]: no MoE layer"),
     ([*MOE, "model.moe_layer_pattern=[1,0,1,0]", "model.moe_layer_freq=2"], "model.moe_layer_pattern="),
@@ -49,11 +53,12 @@ BAD = [
         "pretrain.parallel.ep=4: does not divide the 6 experts of model.num_experts",
     ),
     (
-        ["model.num_experts=8", "pretrain.parallel.ep=2"],
+        ["model.num_experts=8", "pretrain.parallel.dp=1", "pretrain.parallel.ep=2"],
         "pretrain.parallel.ep=2: ep x etp = 2 x 1 must divide tp x dp = 1",
     ),
     (
-        [*MOE, "pretrain.parallel.tp=2", "pretrain.parallel.ep=2"],
+        [*MOE, "model.add_bias_linear=false", "pretrain.parallel.tp=2", "pretrain.parallel.dp=1"]
+        + ["pretrain.parallel.ep=2"],
         "pretrain.parallel.ep=2: ep x etp = 2 x 2 must divide tp x dp = 2",
     ),
     (
@@ -63,6 +68,7 @@ BAD = [
     (
         [
             *MOE,
+            "model.add_bias_linear=false",
             "model.moe_shared_expert_intermediate_size=63",
             "pretrain.parallel.tp=2",
             "pretrain.parallel.etp=1",
@@ -72,6 +78,10 @@ BAD = [
     (
         [*MOE, "pretrain.parallel.tp=2"],
         "pretrain.parallel.etp=2: megatron-core supports biases in experts only with etp=1",
+    ),
+    (
+        [*MOE, "model.add_bias_linear=false", "pretrain.parallel.tp=2"],
+        "pretrain.parallel.tp=2: megatron-core's MoE layer trains with tensor parallelism only together with",
     ),
     (["sft.parallel.moe_token_dispatcher=a2a"], "sft.parallel.moe_token_dispatcher='a2a'"),
     ([*MOE, "data_prep.parallel.ep=2"], "data_prep.parallel.ep=2: data_prep does not read it"),
@@ -89,14 +99,21 @@ def test_ep_in_the_plan_adds_no_ranks() -> None:
     cfg = load_config([*MOE, "pretrain.parallel.dp=2", "pretrain.parallel.ep=2"])
     p = stage_plan(cfg, "pretrain")
     assert (p.world_size, p.dp, p.ep, p.etp, p.nodes, p.tasks_per_node) == (2, 2, 2, 1, 1, 2)
-    cfg = load_config(
-        [*MOE, "model.add_bias_linear=false", "pretrain.parallel.tp=2", "pretrain.parallel.dp=2"]
-        + ["pretrain.parallel.ep=2", "pretrain.parallel.global_batch_size=16"]
-    )
+    # tensor parallel MoE training needs sequence parallel (Transformer Engine): the plan alone, unvalidated
+    only_prep = [*MOE, "model.add_bias_linear=false", "run.stages=[data_prep]", "pretrain.parallel.tp=2"]
+    cfg = load_config([*only_prep, "pretrain.parallel.dp=2", "pretrain.parallel.ep=2"])
     plan = stage_plan(cfg, "pretrain")
     assert (plan.world_size, plan.ep, plan.etp, plan.nodes) == (4, 2, 2, 2)  # ranks_per_node=2
-    cfg = load_config([*MOE, "pretrain.parallel.tp=2", "pretrain.parallel.ep=2", "pretrain.parallel.etp=1"])
+    cfg = load_config([*only_prep, "pretrain.parallel.ep=2", "pretrain.parallel.etp=1"])
     assert stage_plan(cfg, "pretrain").world_size == 2  # EP2 over the two tensor-parallel ranks
+
+
+def test_ep_alone_derives_the_data_parallel_ranks() -> None:
+    plan = stage_plan(load_config([*MOE, "pretrain.parallel.ep=2"]), "pretrain")
+    assert (plan.dp, plan.ep, plan.world_size) == (2, 2, 2)
+    assert stage_plan(load_config(MOE), "pretrain").dp == 1
+    with pytest.raises(ConfigError, match=r"^pretrain.parallel.ep=3: does not divide the 4 experts of model"):
+        load_config([*MOE, "pretrain.parallel.ep=3"])
 
 
 def test_moe_layers() -> None:

@@ -141,6 +141,7 @@ def build_trainer(spec: dict[str, Any], model_cfg: Any, par: Any, stage: Any) ->
     docstring for the keys)."""
     from engine.context import MetricsWriter
     from engine.models.gpt import build_model
+    from engine.models.moe import routing_stats
     from engine.rl.dpo import DPOStep, WithReference, reference_logps
     from engine.runtime import distributed as D
     from engine.train.optimizer import build_optimizer
@@ -179,7 +180,12 @@ def build_trainer(spec: dict[str, Any], model_cfg: Any, par: Any, stage: Any) ->
         seq_length=seq,
         train_source=source,
         valid_source=valid,
-        services=LoopServices(metrics=metrics, checkpointer=_checkpointer(spec), callbacks=_callbacks(spec)),
+        services=LoopServices(
+            metrics=metrics,
+            checkpointer=_checkpointer(spec),
+            callbacks=_callbacks(spec),
+            routing=routing_stats(chunks, model_cfg, par),
+        ),
     )
     return chunks, trainer
 

@@ -4,7 +4,8 @@ checkpoint; each save and load dumps this rank's model and optimizer state for b
 Run as ``python -m tests.support.resume_drill SPEC.json`` (``launch`` does it) with a real tiny megatron GPT,
 the engine's optimizer, Trainer and Checkpointer. SPEC keys: model, parallel (ModelConfig / ParallelConfig
 fields), root (checkpoint root), dump (snapshot dir), init_from, async_save, peft, base_only (write the initial
-weights as a checkpoint and stop), unpatched (engine.checkpoint.optim_fix patches to leave out).
+weights as a checkpoint and stop), unpatched (engine.checkpoint.optim_fix patches to leave out), iters (default
+4), global_dump (also dump ``global_snapshot``: state by global name), metrics (a metrics.jsonl path).
 """
 
 from __future__ import annotations
@@ -80,6 +81,30 @@ def snapshot(chunks: list, optimizer: Any) -> dict[str, Any]:
     return out
 
 
+def global_snapshot(chunks: list, optimizer: Any) -> dict[str, Any]:
+    """This rank's parameters and Adam state keyed by global parameter name (engine.models.init_weights), so
+    that snapshots of two layouts compare (a MoE model's experts by global expert index); fp32, no
+    distributed optimizer (its state is sharded by buckets, not by parameter)."""
+    import torch
+
+    from engine.models.gpt import unwrap
+    from engine.models.init_weights import global_name
+
+    out, names = {}, {}
+    for chunk in chunks:
+        gpt = unwrap(chunk)
+        for name, p in gpt.named_parameters():
+            names[id(p)] = global_name(gpt, name)
+            out[f"model.{names[id(p)]}"] = p.detach().clone()
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                for key, value in inner.state.get(p, {}).items():
+                    out[f"opt.{names[id(p)]}.{key}"] = torch.as_tensor(value).detach().clone()
+    return out
+
+
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -87,6 +112,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.checkpoint.manager import Checkpointer
     from engine.checkpoint.save import save as save_checkpoint
     from engine.checkpoint.writer import finalize_async
+    from engine.context import MetricsWriter
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
     from engine.train.optimizer import build_optimizer
@@ -100,7 +126,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     for name in spec.get("unpatched", []):  # leave these faults of megatron as shipped
         del optim_fix._PATCHES[name]
     model_cfg, par = ModelConfig(**spec["model"]), ParallelConfig(**spec["parallel"])
-    stage = TrainStage(parallel=par, iters=4, save_interval=2, warmup_iters=1, threads=1, log_interval=1)
+    iters = spec.get("iters", 4)
+    stage = TrainStage(parallel=par, iters=iters, save_interval=2, warmup_iters=1, threads=1, log_interval=1)
     D.init(par.tp, par.pp, par.vpp, ep=par.ep, etp=par.etp, seed=stage.seed, threads=stage.threads)
     dump, timings = Path(spec["dump"]), {"save_s": [], "load_s": None}
     dump.mkdir(parents=True, exist_ok=True)
@@ -118,6 +145,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             super().save(step, chunks, optimizer, scheduler, state, final=final, async_save=async_save)
             timings["save_s"].append(round(time.monotonic() - t0, 3))
             torch.save(snapshot(chunks, optimizer), dump / f"save{step}.rank{D.rank()}.pt")
+            if spec.get("global_dump"):
+                torch.save(global_snapshot(chunks, optimizer), dump / f"gsave{step}.rank{D.rank()}.pt")
             return self.last_saved
 
     peft = PeftConfig(**spec["peft"]) if spec.get("peft") else None
@@ -141,7 +170,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             services=LoopServices(
                 checkpointer=DumpingCheckpointer(
                     Path(spec["root"]), stage.save_interval, spec.get("init_from"), peft=peft
-                )
+                ),
+                metrics=MetricsWriter(Path(spec["metrics"]), enabled=D.is_rank0())
+                if spec.get("metrics")
+                else None,
             ),
         )
         t0 = time.monotonic()
@@ -149,6 +181,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         if trainer.iteration or spec.get("init_from"):
             timings["load_s"] = round(time.monotonic() - t0, 3)
             torch.save(snapshot(chunks, optimizer), dump / f"loaded.rank{D.rank()}.pt")
+            if spec.get("global_dump"):
+                torch.save(global_snapshot(chunks, optimizer), dump / f"gloaded.rank{D.rank()}.pt")
         resumed_from = trainer.iteration
         trainer.fit()
         frozen = [p for c in chunks for p in c.parameters() if not p.requires_grad]
