@@ -217,13 +217,8 @@ def build_stage(
     ckpt = _checkpointer(cfg, ctx, st, faults)
     seq_length = st.seq_length or cfg.model.seq_length
     weights_loaded = init_weights(ckpt, chunks) if init_weights is not None else False
-    if unit is not None:
-        train_unit, valid_source = unit(StageEnv(cfg, ctx, st, tokenizer, seq_length, chunks, ckpt))
-        train_source = train_unit.source
-    elif sources is not None:
-        train_unit, (train_source, valid_source) = None, sources(tokenizer, st, seq_length, chunks, ckpt)
-    else:
-        raise ValueError("train_stage: give sources or unit")
+    env = StageEnv(cfg, ctx, st, tokenizer, seq_length, chunks, ckpt)
+    train_unit, train_source, valid_source = _stage_data(env, sources, unit)
     cut = train_unit.truncation if train_unit is not None else train_source.truncation
     metrics = MetricsWriter(ctx.metrics_path, enabled=D.is_rank0())
     if cut is not None:  # the console line (pipeline.records.progress prints info messages)
@@ -256,6 +251,17 @@ def build_stage(
     )
     marks["data"] = time.time()
     return BuiltStage(trainer, ckpt, metrics, weights_loaded, marks, cut)
+
+
+def _stage_data(env: StageEnv, sources: Sources | None, unit: UnitFactory | None) -> tuple[Any, Any, Any]:
+    """(unit or None, train source, valid source) from exactly one of ``sources`` and ``unit``."""
+    if unit is not None:
+        train_unit, valid_source = unit(env)
+        return train_unit, train_unit.source, valid_source
+    if sources is not None:
+        train, valid = sources(env.tokenizer, env.stage, env.seq_length, env.policy, env.checkpointer)
+        return None, train, valid
+    raise ValueError("train_stage: give sources or unit")
 
 
 def _checkpointer(

@@ -250,7 +250,8 @@ def test_dispatch_volume_by_hand() -> None:
     assert dispatch_bytes(TINY_MOE, dataclasses.replace(par, ep=1), 0, 4) == 0
 
 
-RECIPES = [p.stem for p in sorted((CONF_DIR / "experiment").glob("*.yaml")) if p.stem != "tiny"]
+# The published-model recipes (cluster=gpu_ib); tiny and moe-tiny are laptop experiments.
+RECIPES = [p.stem for p in sorted((CONF_DIR / "experiment").glob("*.yaml")) if not p.stem.endswith("tiny")]
 
 
 def test_every_qwen3_and_moe_model_has_full_and_lora_recipes() -> None:
