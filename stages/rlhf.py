@@ -43,7 +43,14 @@ def rl_inputs(cfg: PipelineConfig, ctx: StageContext, env: Any) -> RLInputs:
     prompts, answers = task_prompts(d, env.tokenizer) if "prompts" in reads else ([], [])
     rm = _reward_model(cfg, ctx, env) if reads_reward_model(cfg.rlhf.algorithm, cfg.rlhf.reward) else None
     check = tasks.is_correct if "prompts" in reads else None
-    return RLInputs(d, prompts, answers, check, rm)
+    return RLInputs(d, prompts, answers, check, rm, stop_tokens(d) if "prompts" in reads else ())
+
+
+def stop_tokens(d: Path) -> tuple[int, ...]:
+    """data_prep's ``stop_token_ids`` (the eos, and a Hugging Face model's end-of-turn tokens)."""
+    from engine.data.datasets import read_manifest
+
+    return tuple(read_manifest(d, verify=False).get("stop_token_ids") or ())
 
 
 def task_prompts(d: Path, tokenizer: Any) -> tuple[list[str], list[str]]:

@@ -63,10 +63,12 @@ class SamplingParams:
 
 @dataclass
 class Generation:
-    """New tokens per prompt (stop token excluded) and whether a stop token ended the sequence."""
+    """New tokens per prompt (stop token excluded), whether a stop token ended the sequence, and which."""
 
     tokens: list[list[int]] = field(default_factory=list)
     stopped: list[bool] = field(default_factory=list)
+    ends: list[int | None] = field(default_factory=list)
+    """The stop token that ended each sequence (None: it ran to max_new_tokens)."""
 
 
 def unpad(tokens: torch.Tensor, lengths: Sequence[int], side: str = "right") -> list[list[int]]:
@@ -207,6 +209,7 @@ def _generate(
     stop = torch.tensor(list(params.stop_tokens) or [-1], dtype=torch.long, device=dev)
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     stopped = torch.zeros(b, dtype=torch.bool, device=dev)
+    ended_on = torch.full((b,), -1, dtype=torch.long, device=dev)
     new_len = torch.zeros(b, dtype=torch.long, device=dev)
     is_last = D.is_last_stage()
     cur = width
@@ -226,6 +229,7 @@ def _generate(
                 dist.broadcast(nxt, src=D.pp_last_rank(), group=D.pp_group())
             hit = torch.isin(nxt, stop) & ~done
             stopped |= hit
+            ended_on = torch.where(hit, nxt, ended_on)
             done |= hit
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
             new_len += (~done).long()
@@ -237,4 +241,5 @@ def _generate(
                 break
     out = tokens[:, width:cur].tolist()
     lens = new_len.tolist()
-    return Generation([o[:n] for o, n in zip(out, lens)], [bool(x) for x in stopped.tolist()])
+    ends = [e if s else None for e, s in zip(ended_on.tolist(), stopped.tolist())]
+    return Generation([o[:n] for o, n in zip(out, lens)], [e is not None for e in ends], ends)

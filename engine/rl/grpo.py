@@ -131,6 +131,8 @@ class GRPOUnit(TrainUnit):
     tokenizer: Any = None
     settings: Any = None
     """The rlhf stage config (RLHFStage): group_size, temperature, top_p, max_new_tokens, ppo_epochs."""
+    stop_tokens: tuple[int, ...] = ()
+    """The tokens that end a response (data_prep's ``stop_token_ids``); the eos when empty."""
     position: int = 0
     """Prompts consumed so far (the prompt stream's position; saved in checkpoints)."""
     generated_rows: int = 0
@@ -155,7 +157,7 @@ class GRPOUnit(TrainUnit):
             max_new_tokens=st.max_new_tokens,
             temperature=st.temperature,
             top_p=st.top_p,
-            stop_tokens=(tok.eod,),
+            stop_tokens=self.stop_tokens or (tok.eod,),
             seed=sample_seed(st.seed, step, D.dp_rank()),
         )
         t0 = time.perf_counter()
@@ -164,7 +166,7 @@ class GRPOUnit(TrainUnit):
         gen_s = time.perf_counter() - t0
         self.generated_rows += len(rows)
         rewards = np.asarray(self.reward(rows, gen.tokens), dtype=np.float32)
-        arrays = rollout_rows(rows, gen.tokens, gen.stopped, t.seq_length, tok.pad, tok.eod)
+        arrays = rollout_rows(rows, gen.tokens, gen.ends, t.seq_length, tok.pad)
         per_row = np.stack(
             [rewards, [len(x) for x in gen.tokens], [len(x) + s for x, s in zip(gen.tokens, gen.stopped)]], 1
         )
@@ -267,6 +269,7 @@ def online_unit(
         reward=reward,
         tokenizer=tok,
         settings=st,
+        stop_tokens=inputs.stop_tokens,
     )
     return unit, None
 

@@ -30,6 +30,9 @@ class RLInputs:
     """``prompts``: the task checker (response, answer) -> correct, for the verifier reward."""
     reward_model: Any = None
     """``reward`` with ``rlhf.reward=model|both``: the reward_model stage's model, frozen."""
+    stop_tokens: tuple[int, ...] = ()
+    """``prompts``: the tokens that end a response (data_prep's ``stop_token_ids``: the eos, and a Hugging Face
+    model's end-of-turn tokens); the eos when empty."""
 
 
 @dataclass(frozen=True)

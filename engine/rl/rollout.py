@@ -45,22 +45,22 @@ def sample_seed(seed: int, step: int, dp_rank: int = 0) -> int:
 def rollout_rows(
     prompts: Sequence[Sequence[int]],
     responses: Sequence[Sequence[int]],
-    stopped: Sequence[bool],
+    ends: Sequence[int | None],
     seq_length: int,
     pad: int,
-    eod: int,
 ) -> dict[str, np.ndarray]:
-    """Training rows of prompt + response (+ eod when the sampler stopped on it), right-padded.
+    """Training rows of prompt + response (+ the stop token the sampler stopped on: ``ends``, None where it
+    ran to its length), right-padded.
 
     ``tokens``/``labels`` (next token) int64 and ``loss_mask`` float32 [n, seq_length]; the loss covers the
-    response tokens and the closing eod.
+    response tokens and the closing stop token.
     """
     n = len(prompts)
     tokens = np.full((n, seq_length), pad, dtype=np.int64)
     labels = np.full((n, seq_length), pad, dtype=np.int64)
     mask = np.zeros((n, seq_length), dtype=np.float32)
-    for i, (p, r, s) in enumerate(zip(prompts, responses, stopped)):
-        ids = [*p, *r, *([eod] if s else [])]
+    for i, (p, r, e) in enumerate(zip(prompts, responses, ends)):
+        ids = [*p, *r, *([e] if e is not None else [])]
         if len(ids) > seq_length + 1:
             raise ValueError(
                 f"rollout of {len(ids)} tokens exceeds rlhf.seq_length={seq_length} + 1: lower "

@@ -99,6 +99,9 @@ SHORT += ["rlhf.warmup_iters=0", "sft.iters=2", "sft.warmup_iters=0", "reward_mo
 SHORT += ["reward_model.warmup_iters=0"]
 
 
+END_TOKENS = {"chatml": ("<|im_end|>", "<|endoftext|>"), "llama3": ("<|end_of_text|>", "<|eot_id|>")}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
@@ -115,6 +118,7 @@ def test_readme_command_on_a_model_without_role_tokens(
     from transformers import AutoTokenizer
 
     from engine.data.datasets import load_tokenizer
+    from stages.rlhf import stop_tokens
 
     base = make(kind, tmp_path / "base", tokenizer=tokenizer)
     stages = "[data_prep,sft,reward_model,rlhf,eval]" if rlhf == "ppo" else "[data_prep,sft,rlhf,eval]"
@@ -148,6 +152,8 @@ def test_readme_command_on_a_model_without_role_tokens(
     data = run_dir / "stages" / "data_prep"
     hf, tok = AutoTokenizer.from_pretrained(base), load_tokenizer(data / "tokenizer.json")
     assert tok.user is None and tok.assistant is None
+    # rollouts stop at the model's end-of-turn token as well as at its eos (generation_config.json's list)
+    assert set(stop_tokens(data)) == {hf.convert_tokens_to_ids(t) for t in END_TOKENS[tokenizer]}
     rendered = [json.loads(x) for x in (data / "rl_chat.jsonl").read_text().splitlines()]
     for rec in rendered[:50]:
         msgs = [{"role": "user", "content": rec["question"]}]

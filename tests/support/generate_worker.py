@@ -39,16 +39,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 vocab_size=vocab,
                 use_cache=use_cache,
             )
-            return {"tokens": g.tokens, "stopped": g.stopped}
+            return {"tokens": g.tokens, "stopped": g.stopped, "ends": g.ends}
 
         greedy = run_one()
-        stop = greedy["tokens"][0][2]
+        stops = [greedy["tokens"][0][2], greedy["tokens"][1][0]]  # two stop tokens, as an end-of-turn and eos
         sample = {"temperature": 1.0, "top_p": 0.9, "top_k": 50}
         return {
             "greedy_cache": greedy,
             "greedy_full": run_one(use_cache=False),
-            "stop_token": stop,
-            "stopped": run_one(stop_tokens=(stop,)),
+            "stop_tokens": stops,
+            "stopped": run_one(stop_tokens=tuple(stops)),
             "sample_a": run_one(seed=7, **sample),
             "sample_b": run_one(seed=7, **sample),
             "sample_c": run_one(seed=8, **sample),

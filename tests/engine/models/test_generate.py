@@ -37,12 +37,13 @@ def check(r: dict[str, Any]) -> None:
     greedy = r["greedy_cache"]["tokens"]
     assert [len(t) for t in greedy] == [NEW] * len(PROMPTS)
     assert greedy == r["greedy_full"]["tokens"]  # KV cache == full recomputation
-    # stop tokens: each row is the greedy row cut before its first stop token
-    stop = r["stop_token"]
-    want = [t[: t.index(stop)] if stop in t else t for t in greedy]
-    assert r["stopped"]["tokens"] == want
-    assert r["stopped"]["stopped"] == [stop in t for t in greedy]
-    assert r["stopped"]["stopped"][0]
+    # stop tokens: each row is the greedy row cut before its first stop token, which ``ends`` names
+    stops = set(r["stop_tokens"])
+    first = [next((i for i, x in enumerate(t) if x in stops), None) for t in greedy]
+    assert r["stopped"]["tokens"] == [t if i is None else t[:i] for t, i in zip(greedy, first)]
+    assert r["stopped"]["ends"] == [None if i is None else t[i] for t, i in zip(greedy, first)]
+    assert r["stopped"]["stopped"] == [i is not None for i in first]
+    assert r["stopped"]["stopped"][0] and r["stopped"]["stopped"][1]
     # seeded sampling repeats, another seed differs, the cache does not change samples
     assert r["sample_a"] == r["sample_b"]
     assert r["sample_a"]["tokens"] != r["sample_c"]["tokens"]

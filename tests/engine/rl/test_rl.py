@@ -79,12 +79,16 @@ def test_grpo_step_loss_by_hand() -> None:
 
 
 def test_rollout_rows_mask_the_response_and_eod() -> None:
-    rows = rollout_rows([[5, 6], [5]], [[7, 8], [9]], [True, False], seq_length=5, pad=0, eod=1)
+    rows = rollout_rows([[5, 6], [5]], [[7, 8], [9]], [1, None], seq_length=5, pad=0)
     assert rows["tokens"].tolist() == [[5, 6, 7, 8, 0], [5, 0, 0, 0, 0]]  # the last token is never input
     assert rows["labels"].tolist() == [[6, 7, 8, 1, 0], [9, 0, 0, 0, 0]]
     assert rows["loss_mask"].tolist() == [[0, 1, 1, 1, 0], [1, 0, 0, 0, 0]]
+    # a response ended by another stop token (a chat template's end of turn) is closed by that token
+    turn = rollout_rows([[5, 6], [5]], [[7], [9, 8]], [3, 1], seq_length=5, pad=0)
+    assert turn["labels"].tolist() == [[6, 7, 3, 0, 0], [9, 8, 1, 0, 0]]
+    assert turn["loss_mask"].tolist() == [[0, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
     with pytest.raises(ValueError, match="rlhf.max_new_tokens"):
-        rollout_rows([[5, 6, 7]], [[1, 2, 3]], [True], seq_length=5, pad=0, eod=1)
+        rollout_rows([[5, 6, 7]], [[1, 2, 3]], [1], seq_length=5, pad=0)
 
 
 def test_prompt_stream_and_sampler_seed_are_functions_of_the_position() -> None:
