@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.records.files import atomic_write_text, locked, sha256_file
+from pipeline.schema.errors import resolved_against
 
 FINGERPRINTS = "fingerprints.json"
 SHARED = ".data"
@@ -62,33 +63,47 @@ TOKENIZER_DIR_FILES = (
 """What data_prep reads from a tokenizer (Hugging Face model) directory; its weights are not data."""
 
 
+def keyed_inputs(pc: Any) -> list[tuple[str, str, list[Path]]]:
+    """(key, value as written, the files it names) of every file data_prep reads, in a stable order (a missing
+    file is named as written)."""
+    d = pc.data
+    keyed: list[tuple[str, str, list[Path]]] = []
+    if d.corpus == "shakespeare":
+        keyed.append(("data.corpus", "shakespeare", _shakespeare()))
+    elif d.corpus == "files":
+        keyed += [(f"data.text_paths[{i}]", pat, _expand(pat)) for i, pat in enumerate(d.text_paths)]
+    else:
+        for i, src in enumerate(d.sources):
+            shake = src.format == "shakespeare"
+            keyed.append(
+                (f"data.sources[{i}].path", src.path, _shakespeare() if shake else _expand(src.path))
+            )
+    for key in ("sft_paths", "pref_paths"):
+        keyed += [(f"data.{key}[{i}]", pat, _expand(pat)) for i, pat in enumerate(getattr(d, key))]
+    if d.chat_template not in ("project", "tokenizer"):
+        keyed.append(("data.chat_template", d.chat_template, _expand(d.chat_template)))
+    tok = Path(d.tokenizer_path) if d.tokenizer_path else None
+    if tok is not None and tok.is_dir():  # a model directory: its tokenizer files only
+        keyed.append(
+            (
+                "data.tokenizer_path",
+                d.tokenizer_path,
+                [tok / f for f in TOKENIZER_DIR_FILES if (tok / f).is_file()],
+            )
+        )
+    elif tok is not None:
+        keyed.append(("data.tokenizer_path", d.tokenizer_path, _expand(d.tokenizer_path)))
+    return keyed
+
+
 def input_files(pc: Any) -> list[Path]:
     """Every file data_prep reads for this config, absolute, in a stable order (missing ones included)."""
-    d = pc.data
-    files: list[Path] = []
-    if d.corpus == "shakespeare":
-        files += _shakespeare()
-    elif d.corpus == "files":
-        for pat in d.text_paths:
-            files += _expand(pat)
-    else:
-        for src in d.sources:
-            files += _shakespeare() if src.format == "shakespeare" else _expand(src.path)
-    for pat in [*d.sft_paths, *d.pref_paths]:
-        files += _expand(pat)
-    if d.chat_template not in ("project", "tokenizer"):
-        files += _expand(d.chat_template)
-    if d.tokenizer_path and Path(d.tokenizer_path).is_dir():  # a model directory: its tokenizer files only
-        files += [
-            Path(d.tokenizer_path) / f for f in TOKENIZER_DIR_FILES if (Path(d.tokenizer_path) / f).is_file()
-        ]
-    elif d.tokenizer_path:
-        files += _expand(d.tokenizer_path)
     out: list[Path] = []
-    for f in files:
-        f = f.resolve()
-        if f not in out:
-            out.append(f)
+    for _, _, files in keyed_inputs(pc):
+        for f in files:
+            f = f.resolve()
+            if f not in out:
+                out.append(f)
     return out
 
 
@@ -304,15 +319,18 @@ def check_data_inputs(
     """
     d = pc.data
     problems: list[str] = []
-    for f in input_files(pc):
-        if not f.is_file():
-            problems.append(f"data: input file not found: {f}")
-            continue
-        if not os.access(f, os.R_OK):
-            problems.append(f"data: input file not readable: {f}")
-            continue
-        if f.stat().st_size == 0:
-            problems.append(f"data: input file is empty: {f}")
+    seen: set[Path] = set()
+    for key, value, files in keyed_inputs(pc):
+        for f in (x.resolve() for x in files):
+            if f in seen:
+                continue
+            seen.add(f)
+            if not f.is_file():
+                problems.append(f"{key}={value}: input file not found: {f}{resolved_against(value)}")
+            elif not os.access(f, os.R_OK):
+                problems.append(f"{key}={value}: input file not readable: {f}")
+            elif f.stat().st_size == 0:
+                problems.append(f"{key}={value}: input file is empty: {f}")
     if d.corpus == "sources":
         for i, src in enumerate(d.sources):
             problems += check_source(src, f"data.sources[{i}]")

@@ -127,3 +127,9 @@ def test_preflight_names_missing_empty_and_unparseable_inputs(tmp_path: Path) ->
     assert "empty: " + str(tmp_path / "empty.jsonl") in problems
     assert "bad.jsonl:1: no string field 'text'" in problems
     assert "not found: " + str(tmp_path / "missing.jsonl") in problems
+    # each problem names the key and the value as written; a relative path says where it was looked for
+    assert f"data.sources[0].path={tmp_path / '*.jsonl'}: input file is empty: " in problems
+    cfg.data.sft_paths = ["chat/missing.jsonl"]
+    (line,) = [p for p in data_identity.check_data_inputs(cfg, check_source, check_chat_file) if "found" in p]
+    assert line.startswith("data.sft_paths[0]=chat/missing.jsonl: input file not found: "), line
+    assert "(a relative path, resolved against the working directory" in line
