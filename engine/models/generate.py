@@ -66,9 +66,12 @@ class Generation:
     """New tokens per prompt (stop token excluded), whether a stop token ended the sequence, and which."""
 
     tokens: list[list[int]] = field(default_factory=list)
-    stopped: list[bool] = field(default_factory=list)
     ends: list[int | None] = field(default_factory=list)
     """The stop token that ended each sequence (None: it ran to max_new_tokens)."""
+
+    @property
+    def stopped(self) -> list[bool]:
+        return [e is not None for e in self.ends]
 
 
 def unpad(tokens: torch.Tensor, lengths: Sequence[int], side: str = "right") -> list[list[int]]:
@@ -242,4 +245,4 @@ def _generate(
     out = tokens[:, width:cur].tolist()
     lens = new_len.tolist()
     ends = [e if s else None for e, s in zip(ended_on.tolist(), stopped.tolist())]
-    return Generation([o[:n] for o, n in zip(out, lens)], [e is not None for e in ends], ends)
+    return Generation([o[:n] for o, n in zip(out, lens)], ends)
