@@ -211,3 +211,38 @@ def test_dpo_on_pairs_that_truncation_empties_fails_before_training(tmp_path: Pa
     out = json.loads((run_dir / "ledger" / "rlhf.json").read_text())["outputs"]
     assert out["truncation"]["emptied"] == 3 and out["truncation"]["examples"] == 16
     assert "3 of 16 preference pairs" in (run_dir / "report.html").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_sft_of_a_qwen3_moe_at_ep2_then_export_generates_like_eval(tmp_path: Path) -> None:
+    """SFT from a hf: Qwen3-MoE directory with expert parallelism 2 (two ranks, two experts each), eval at its
+    own layout, export: transformers' greedy generation on the export gives eval's tokens."""
+    base = make("qwen3_moe", tmp_path / "base-qwen3-moe", tokenizer="chatml")
+    r = run(
+        "-m",
+        "pipeline",
+        "experiment=tiny",
+        f"run.root={tmp_path / 'runs'}",
+        f"sft.init_from=hf:{base}",
+        "run.stages=[data_prep,sft,eval]",
+        "sft.parallel.ep=2",
+        "eval.models=[sft]",
+        "sft.lr=3e-3",
+        *SHORT,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_dir = _run_dir(r)
+    ledger = json.loads((run_dir / "ledger" / "sft.json").read_text())
+    assert ledger["status"] == "completed"
+    out = tmp_path / "export"
+    e = run("-m", "pipeline.export", str(run_dir), "sft", "--out", str(out))
+    assert e.returncode == 0, e.stdout[-3000:] + e.stderr[-3000:]
+    assert json.loads((out / "export_manifest.json").read_text())["check"]["passed"]
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_moe"
+    samples = json.loads((run_dir / "stages" / "eval" / "results.json").read_text())["models"]["sft"][
+        "samples"
+    ]
+    g = run("-c", GENERATE, str(out), json.dumps([s["prompt"] for s in samples]), "4", timeout=300)
+    assert g.returncode == 0, g.stderr[-3000:]
+    assert json.loads(g.stdout.strip().splitlines()[-1]) == [s["generated"] for s in samples]
