@@ -5,7 +5,9 @@ one log). What they prove on one GPU:
 - the tiny graph end to end through the local executor (data prep, pretrain, SFT, DPO, eval) on CUDA;
 - bf16 (fp32 main gradients) and fp16 (dynamic loss scaling: overflows skipped and counted) steps learn;
 - SDPA attention against megatron's unfused attention, same weights, same losses;
-- checkpoint save/resume on CUDA is bit-exact (model, optimizer, next steps).
+- checkpoint save/resume on CUDA is bit-exact (model, optimizer, next steps);
+- a tiny Mixture of Experts (4 experts, top-2; Transformer Engine's grouped GEMM where TE is present) learns
+  in bf16 and follows its fp32 losses.
 """
 
 from __future__ import annotations
@@ -77,6 +79,17 @@ def test_bf16_steps_learn_on_cuda(tmp_path: Path) -> None:
     assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=2e-2)
     assert bf16[-1]["loss"] == pytest.approx(fp32[-1]["loss"], rel=5e-2)
     print(f"\nbf16 loss {bf16[0]['loss']:.4f} -> {bf16[-1]['loss']:.4f}; fp32 -> {fp32[-1]['loss']:.4f}")
+
+
+@pytest.mark.timeout(600)
+def test_moe_steps_learn_on_cuda(tmp_path: Path) -> None:
+    moe = {"num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
+    bf16 = train(tmp_path / "bf16", "bf16", 12, **moe)
+    fp32 = train(tmp_path / "fp32", "fp32", 12, **moe)
+    assert bf16[-1]["loss"] < bf16[0]["loss"] - 0.3, [h["loss"] for h in bf16]
+    assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=2e-2)
+    assert bf16[-1]["loss"] == pytest.approx(fp32[-1]["loss"], rel=5e-2)
+    print(f"\nMoE bf16 loss {bf16[0]['loss']:.4f} -> {bf16[-1]['loss']:.4f}; fp32 -> {fp32[-1]['loss']:.4f}")
 
 
 @pytest.mark.timeout(600)
