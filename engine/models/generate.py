@@ -211,8 +211,7 @@ def _generate(
     )  # greedy: none
     stop = torch.tensor(list(params.stop_tokens) or [-1], dtype=torch.long, device=dev)
     done = torch.zeros(b, dtype=torch.bool, device=dev)
-    stopped = torch.zeros(b, dtype=torch.bool, device=dev)
-    ended_on = torch.full((b,), -1, dtype=torch.long, device=dev)
+    ended_on = torch.full((b,), -1, dtype=torch.long, device=dev)  # the stop token of each row; -1: none yet
     new_len = torch.zeros(b, dtype=torch.long, device=dev)
     is_last = D.is_last_stage()
     cur = width
@@ -231,7 +230,6 @@ def _generate(
             if runner.pp > 1:
                 dist.broadcast(nxt, src=D.pp_last_rank(), group=D.pp_group())
             hit = torch.isin(nxt, stop) & ~done
-            stopped |= hit
             ended_on = torch.where(hit, nxt, ended_on)
             done |= hit
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
@@ -244,5 +242,5 @@ def _generate(
                 break
     out = tokens[:, width:cur].tolist()
     lens = new_len.tolist()
-    ends = [e if s else None for e, s in zip(ended_on.tolist(), stopped.tolist())]
+    ends = [e if e >= 0 else None for e in ended_on.tolist()]
     return Generation([o[:n] for o, n in zip(out, lens)], ends)

@@ -78,8 +78,8 @@ def keyed_inputs(pc: Any) -> list[tuple[str, str, list[Path]]]:
             keyed.append(
                 (f"data.sources[{i}].path", src.path, _shakespeare() if shake else _expand(src.path))
             )
-    for key in ("sft_paths", "pref_paths"):
-        keyed += [(f"data.{key}[{i}]", pat, _expand(pat)) for i, pat in enumerate(getattr(d, key))]
+    for key, pats in (("data.sft_paths", d.sft_paths), ("data.pref_paths", d.pref_paths)):
+        keyed += [(f"{key}[{i}]", pat, _expand(pat)) for i, pat in enumerate(pats)]
     if d.chat_template not in ("project", "tokenizer"):
         keyed.append(("data.chat_template", d.chat_template, _expand(d.chat_template)))
     tok = Path(d.tokenizer_path) if d.tokenizer_path else None

@@ -67,26 +67,30 @@ def test_sft_dpo_from_hf_then_export_generates_like_eval(tmp_path: Path, peft: s
         *lora,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    run_dir = Path(
-        next(ln for ln in r.stdout.splitlines() if ln.startswith("run directory:")).split(":", 1)[1].strip()
-    )
+    run_dir = _run_dir(r)
     data = run_dir / "stages" / "data_prep"
     assert (data / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
     results = json.loads((run_dir / "stages" / "eval" / "results.json").read_text())
     assert set(results["models"]) == {f"hf:{base}", "sft", "rlhf"}, results["models"].keys()
 
-    out = tmp_path / "export"
-    e = run("-m", "pipeline.export", str(run_dir), "rlhf", "--out", str(out))
+    out = export_generates_like_eval(run_dir, "rlhf", tmp_path / "export", 6)
+    assert chat_template(out) == chat_template(base) and chat_template(base)
+
+
+def export_generates_like_eval(run_dir: Path, stage: str, out: Path, new_tokens: int) -> Path:
+    """``pipeline.export`` of ``stage`` to ``out`` passes its check, and transformers' greedy generation on the
+    export gives eval's generations for that stage on eval's prompts."""
+    e = run("-m", "pipeline.export", str(run_dir), stage, "--out", str(out))
     assert e.returncode == 0, e.stdout[-3000:] + e.stderr[-3000:]
     manifest = json.loads((out / "export_manifest.json").read_text())
     assert manifest["check"]["passed"], manifest["check"]
-    assert chat_template(out) == chat_template(base) and chat_template(base)
-
-    samples = results["models"]["rlhf"]["samples"]
+    results = json.loads((run_dir / "stages" / "eval" / "results.json").read_text())
+    samples = results["models"][stage]["samples"]
     prompts = [s["prompt"] for s in samples]
-    g = run("-c", GENERATE, str(out), json.dumps(prompts), "6", timeout=300)
+    g = run("-c", GENERATE, str(out), json.dumps(prompts), str(new_tokens), timeout=300)
     assert g.returncode == 0, g.stderr[-3000:]
     assert json.loads(g.stdout.strip().splitlines()[-1]) == [s["generated"] for s in samples]
+    return out
 
 
 def _run_dir(r: subprocess.CompletedProcess[str]) -> Path:
@@ -235,14 +239,5 @@ def test_sft_of_a_qwen3_moe_at_ep2_then_export_generates_like_eval(tmp_path: Pat
     run_dir = _run_dir(r)
     ledger = json.loads((run_dir / "ledger" / "sft.json").read_text())
     assert ledger["status"] == "completed"
-    out = tmp_path / "export"
-    e = run("-m", "pipeline.export", str(run_dir), "sft", "--out", str(out))
-    assert e.returncode == 0, e.stdout[-3000:] + e.stderr[-3000:]
-    assert json.loads((out / "export_manifest.json").read_text())["check"]["passed"]
+    out = export_generates_like_eval(run_dir, "sft", tmp_path / "export", 4)
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_moe"
-    samples = json.loads((run_dir / "stages" / "eval" / "results.json").read_text())["models"]["sft"][
-        "samples"
-    ]
-    g = run("-c", GENERATE, str(out), json.dumps([s["prompt"] for s in samples]), "4", timeout=300)
-    assert g.returncode == 0, g.stderr[-3000:]
-    assert json.loads(g.stdout.strip().splitlines()[-1]) == [s["generated"] for s in samples]
