@@ -22,6 +22,7 @@ from pipeline.schema.config import PipelineConfig, TrainStage
 from pipeline.schema.graph import weights_upstream
 
 if TYPE_CHECKING:
+    from engine.checkpoint.interval import AutoInterval
     from engine.checkpoint.manager import Checkpointer
     from engine.data.truncation import Truncation
     from engine.runtime.fault_injection import FaultInjector
@@ -271,14 +272,30 @@ def _checkpointer(
 
     return Checkpointer(
         ctx.checkpoint_dir,
-        st.save_interval,
+        st.save_interval if isinstance(st.save_interval, int) else 0,
         resolve_init_from(cfg, ctx),
         st.keep_last,
         st.async_save,
         keep_incomplete=st.keep_incomplete,
         peft=st.peft if st.peft.method == "lora" else None,
         faults=faults,
+        auto_interval=_auto_interval(cfg, ctx, st),
     )
+
+
+def _auto_interval(cfg: PipelineConfig, ctx: StageContext, st: TrainStage) -> AutoInterval | None:
+    """save_interval=auto: the interval chooser, seeded with the planner's save time (build_config made sure
+    cluster.node_mtbf_hours is set)."""
+    from engine.checkpoint.interval import AutoInterval
+    from engine.runtime import distributed as D
+    from pipeline.schema.estimates import stage_checkpoint_estimate
+
+    mtbf = cfg.cluster.node_mtbf_hours
+    if st.save_interval != "auto" or mtbf is None:
+        return None
+    nodes = ctx.plan.nodes if ctx.plan else 1
+    estimate = stage_checkpoint_estimate(cfg, ctx.stage).save_s
+    return AutoInterval(mtbf, nodes, estimate, agree=D.all_reduce_max)
 
 
 def _shutdown(watchdog: Any, stop_flag: Any) -> None:

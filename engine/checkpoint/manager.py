@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from engine.checkpoint import writer
 from engine.checkpoint.errors import WRITE_FAILURES, CheckpointError
+from engine.checkpoint.interval import AutoInterval
 from engine.checkpoint.latest import find_latest
 from engine.checkpoint.layout import MARKER
 from engine.checkpoint.load import load_latest, load_weights
@@ -47,9 +48,12 @@ class Checkpointer:
         peft: Any = None,
         max_failures: int = 3,
         faults: FaultInjector | None = None,
+        auto_interval: AutoInterval | None = None,
     ) -> None:
         self.root = Path(root)
         self.save_interval = save_interval
+        self.auto_interval = auto_interval
+        """save_interval=auto: decides when periodic saves are due instead of ``save_interval``."""
         self.init_from = Path(init_from) if init_from else None
         self.keep_last = keep_last
         self.async_save = async_save
@@ -129,13 +133,17 @@ class Checkpointer:
         scheduler: Any,
         state: dict,
         models: Mapping[str, Part] | None = None,
+        step_s: float | None = None,
     ) -> None:
-        """Save at every ``save_interval``, at the final step, and when ``force`` (a stop request).
+        """Save at every ``save_interval`` (``auto_interval``: when it says so; ``step_s`` is the step's measured
+        compute time), at the final step, and when ``force`` (a stop request).
 
         A failed periodic save (disk full, permission denied) is logged and retried at the next interval;
         ``max_failures`` failures in a row, or a failed final/forced save, stop the run.
         """
-        if not (final or force or step % self.save_interval == 0):
+        auto = self.auto_interval
+        periodic = auto.due(step, step_s) if auto is not None else step % self.save_interval == 0
+        if not (final or force or periodic):
             return
         try:
             self.save(
@@ -151,6 +159,9 @@ class Checkpointer:
             self.failures = 0
         except WRITE_FAILURES as e:  # CheckpointError, OSError, torch's CheckpointException (a full disk)
             self._failed(e, give_up=final or force, step=step)
+        if auto is not None:  # after a failed save too: every rank re-chooses at the same step (collective)
+            auto.saved(step, self.save_seconds, self.finalize_seconds)
+            self.save_interval = auto.interval or self.save_interval
 
     def _failed(self, e: BaseException, give_up: bool, step: int | None = None) -> None:
         """Count a failed save; raise when it is the ``max_failures``-th in a row or ``give_up``."""

@@ -407,40 +407,18 @@ class Trainer:
             last = self.train_step(self.iteration)
             if self._handle_bad_step():
                 continue
+            step_s = time.time() - t_step
             self.iteration += 1
             self.history.append(last)
             self._write_progress()
-            logged = self._log_train(last, time.time() - t_step)
+            logged = self._log_train(last, step_s)
             s = self.iteration
             self.callbacks.emit("on_step_end", s, logged or last, logged=logged is not None)
             if st.eval_interval and s % st.eval_interval == 0 and s < st.iters:
                 self._write_valid(s)
             stop = self._stop()
             self._beat()
-            if self.checkpointer is not None:
-                self.checkpointer.finalize()
-                saves_before = len(self.checkpointer.save_seconds)
-                self.checkpointer.maybe_save(
-                    s,
-                    s == st.iters,
-                    stop,
-                    self.chunks,
-                    self.optimizer,
-                    self.scheduler,
-                    self.state(),
-                    models=self.unit.trained_models(),
-                )
-                if len(self.checkpointer.save_seconds) > saves_before:
-                    self.metrics.write(
-                        {
-                            "kind": "checkpoint",
-                            "step": s,
-                            "save_s": self.checkpointer.save_seconds[-1],
-                            "async": self.checkpointer.async_save and not (stop or s == st.iters),
-                        }
-                    )
-                    self.meter.add("checkpoint", self.checkpointer.save_seconds[-1])
-                    self.callbacks.emit("on_save", s, {"save_s": self.checkpointer.save_seconds[-1]})
+            self._checkpoint(s, stop, step_s)
         if self.checkpointer is not None:
             self.checkpointer.finalize(blocking=True)
         if stop and self.iteration < st.iters:
@@ -467,6 +445,33 @@ class Trainer:
         }
         self.callbacks.emit("on_train_end", self.iteration, summary)
         return summary
+
+    def _checkpoint(self, s: int, stop: bool, step_s: float) -> None:
+        """After step ``s``: commit finished async saves, save when due, record the save and any interval choice."""
+        if self.checkpointer is None:
+            return
+        ck, final = self.checkpointer, s == self.stage.iters
+        ck.finalize()
+        saves_before = len(ck.save_seconds)
+        ck.maybe_save(
+            s, final, stop, self.chunks, self.optimizer, self.scheduler, self.state(),
+            models=self.unit.trained_models(), step_s=step_s,
+        )  # fmt: skip
+        if ck.auto_interval is not None:
+            for record in ck.auto_interval.take_records():
+                self.metrics.write(record)
+        if len(ck.save_seconds) > saves_before:
+            save_s = ck.save_seconds[-1]
+            self.metrics.write(
+                {
+                    "kind": "checkpoint",
+                    "step": s,
+                    "save_s": save_s,
+                    "async": ck.async_save and not (stop or final),
+                }
+            )
+            self.meter.add("checkpoint", save_s)
+            self.callbacks.emit("on_save", s, {"save_s": save_s})
 
     def _log_train(self, last: dict[str, float], step_s: float) -> dict[str, Any] | None:
         """A metrics line every log_interval steps; tokens/s over the steps' compute time since the last line."""

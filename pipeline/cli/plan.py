@@ -4,6 +4,13 @@ and step time, and warn (with the cheapest fix) when a layout does not fit in GP
 Composes conf/ with Hydra's compose API, validates with ``build_config`` and never imports torch, so it runs
 on a laptop. Exit status: 0 every stage fits, 1 some stage does not fit, 2 invalid configuration.
 
+With ``cluster.node_mtbf_hours`` set, each stage's block ends with the expected goodput per checkpoint
+interval (Young/Daly). ``--simulate-failures`` adds a discrete-event simulation of the planned run (node
+failures, saves, restart or requeue, loads): goodput with a 95% confidence interval, failures per run and
+the work lost per failure, for the auto and the configured interval, an in-job restart
+(planner.restart_s) and a requeue (planner.requeue_s). ``--replications=N`` (default 200) and
+``--seed=N`` (default 0) set the simulation; the same seed gives the same figures.
+
 Example (70B on 64 nodes of 8 GPUs)::
 
     python -m pipeline.plan model=llama3.1-70b cluster.executor=slurm cluster.gpus_per_node=8 \\
@@ -18,6 +25,7 @@ from __future__ import annotations
 import sys
 
 from pipeline.cli.compose import config_dir_overrides, load, report
+from pipeline.cli.plan_goodput import goodput_lines, simulation_lines
 from pipeline.schema.compose import CONF_DIR as CONF_DIR  # re-exported (tests, the docs)
 from pipeline.schema.config import PipelineConfig
 from pipeline.schema.errors import ConfigError
@@ -49,12 +57,44 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     try:
-        cfg = compose_config(args)
+        flags, overrides = (
+            _flags([a for a in args if a.startswith("--")]),
+            [a for a in args if not a.startswith("--")],
+        )
+        cfg = compose_config(overrides)
         estimates = [estimate_stage(cfg, s) for s in cfg.run.stages if s in TRAIN_STAGES]
     except ConfigError as e:
         return report(e)
     print(format_plan(cfg, estimates))
+    if "simulate" in flags:
+        for est in estimates:
+            print(
+                "",
+                f"== {est.stage}",
+                *simulation_lines(cfg, est, flags["replications"], flags["seed"]),
+                sep="\n",
+            )
     return 0 if all(e.fits for e in estimates) else 1
+
+
+def _flags(args: list[str]) -> dict[str, int]:
+    """--simulate-failures, --replications=N, --seed=N (a bad flag is a ConfigError naming it)."""
+    out = {"replications": 200, "seed": 0}
+    for a in args:
+        name, _, value = a[2:].partition("=")
+        if name == "simulate-failures" and not value:
+            out["simulate"] = 1
+            continue
+        if name not in ("replications", "seed") or not value.isdigit():
+            raise ConfigError(
+                f"{a}: unknown flag; the planner takes --simulate-failures, --replications=N, --seed=N"
+            )
+        out[name] = int(value)
+    if out["replications"] < 2:
+        raise ConfigError(
+            f"--replications={out['replications']}: at least 2 (the confidence interval needs them)"
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------- formatting
@@ -75,7 +115,7 @@ def format_plan(cfg: PipelineConfig, estimates: list[StageEstimate]) -> str:
     if not estimates:
         lines.append("no training stage in run.stages: nothing to estimate")
     for est in estimates:
-        lines += ["", *format_stage(est)]
+        lines += ["", *format_stage(est), "", *goodput_lines(cfg, est)]
     return "\n".join(lines)
 
 

@@ -190,6 +190,15 @@ def _check_cross(pc: PipelineConfig, origins: Origins) -> None:
 
 def _check_modes(pc: PipelineConfig) -> None:
     """Values that cannot work together (whoever set them)."""
+    for name in pc.run.stages:
+        st = pc.stage(name)
+        if isinstance(st, TrainStage) and st.save_interval == "auto" and pc.cluster.node_mtbf_hours is None:
+            fail(
+                f"{name}.save_interval",
+                "auto",
+                "chooses the interval from the failure rate: set cluster.node_mtbf_hours (one node's mean time "
+                "between failures, hours), or give a number of steps",
+            )
     if pc.pretrain.peft.method != "none":
         fail(
             "pretrain.peft.method",

@@ -47,6 +47,8 @@ class Domain:
     """Upper bound, exclusive."""
     or_zero: bool = False
     """0 is also allowed (it means 'off')."""
+    or_word: str | None = None
+    """This word is also allowed (e.g. ``auto``: the value is chosen at run time)."""
 
     def describe(self) -> str:
         bounds = [
@@ -56,9 +58,12 @@ class Domain:
         ]
         kind = "an integer" if self.integer else "a finite number"
         text = f"{kind} {' and '.join(bounds)}" if bounds else kind
-        return f"0 (off) or {text}" if self.or_zero else text
+        text = f"0 (off) or {text}" if self.or_zero else text
+        return f"{self.or_word} or {text}" if self.or_word else text
 
     def ok(self, value: Any) -> bool:
+        if self.or_word is not None and value == self.or_word:
+            return True
         if isinstance(value, bool) or not isinstance(value, int | float):
             return False
         if self.integer and not isinstance(value, int):
@@ -88,11 +93,12 @@ def num(
     le: float | None = None,
     lt: float | None = None,
     or_zero: bool = False,
+    or_word: str | None = None,
 ) -> Any:
     """A numeric schema field with its domain (None stays allowed for ``X | None`` fields); a list default:
-    a list of numbers, each in the domain."""
+    a list of numbers, each in the domain; ``or_word``: a word also allowed (``int | str`` fields)."""
     kind = isinstance(default, int) if integer is None else integer
-    dom = Domain(kind, ge=ge, gt=gt, le=le, lt=lt, or_zero=or_zero)
+    dom = Domain(kind, ge=ge, gt=gt, le=le, lt=lt, or_zero=or_zero, or_word=or_word)
     if isinstance(default, list):
         items = list(default)
         return field(default_factory=lambda: list(items), metadata={"domain": dom})

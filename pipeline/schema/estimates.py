@@ -327,6 +327,11 @@ def _estimate(cfg: PipelineConfig, stage: str) -> StageEstimate:
     )
 
 
+def stage_checkpoint_estimate(cfg: PipelineConfig, stage: str) -> CheckpointEstimate:
+    """The checkpoint estimate of ``stage`` alone (no search for a fix): the engine's first guess of a save's cost."""
+    return checkpoint_estimate(cfg, _estimate(cfg, stage))
+
+
 def estimate_stage(cfg: PipelineConfig, stage: str) -> StageEstimate:
     """Estimate ``stage``; when it does not fit, attach the cheapest change that does (``suggest_fix``)."""
     est = _estimate(cfg, stage)

@@ -229,6 +229,8 @@ class ClusterConfig:
     """srun's MPI plugin (--mpi=) for data_prep.launcher=mpi: pmi2, pmix, ... (srun --mpi=list shows them)."""
     fs_bandwidth_gb_s: float = num(2.0, gt=0)
     """Assumed read/write bandwidth one node gets from the shared filesystem, GB/s (the planner's checkpoint save/load/verify times)."""
+    node_mtbf_hours: float | None = num(None, integer=False, gt=0)
+    """Mean time between failures of one node, hours (anything that stops a job: hardware, driver, network); a stage on n nodes fails every node_mtbf_hours / n hours on average. Needed by <stage>.save_interval=auto; the planner prints the expected goodput per checkpoint interval from it (None: unknown). A cluster's own figure: node-hours run / job-ending node failures (e.g. Llama 3's 419 interruptions in 54 days on 2,048 nodes: about 6,300 h)."""
     peak_tflops: float | None = num(None, integer=False, gt=0)
     """Dense peak TFLOP/s of one rank's device in the training precision, the MFU denominator (None: planner.gpu_peak_tflops with GPUs, else the CPU figure measured by bench/bench_matmul.py)."""
 
@@ -385,6 +387,10 @@ class PlannerConfig:
     """GiB per GPU held back for the CUDA context, NCCL buffers and allocator fragmentation."""
     checksum_gb_s: float = num(8.0, gt=0)
     """Checksum (xxh3_128) speed of one rank's core in GB/s for checkpoint verification (bench/bench_verify.py prints it; about 10 here)."""
+    requeue_s: float = num(600.0, ge=0)
+    """Seconds from a node failure to the requeued job running again (SLURM requeue, queue wait, start-up, before the checkpoint load): the recovery of the goodput table and the simulator's requeue choice."""
+    restart_s: float = num(120.0, ge=0)
+    """Seconds from a node failure to an in-job restart running again on a spare node (before the load): the simulator's in-job restart choice."""
 
     def __post_init__(self) -> None:
         check_domains(self)

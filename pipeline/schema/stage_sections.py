@@ -139,8 +139,8 @@ class TrainStage:
     """Steps between validation losses (0: only at the end)."""
     eval_iters: int = num(4, ge=1)
     """Validation batches per evaluation."""
-    save_interval: int = num(50, ge=1)
-    """Steps between checkpoints (the final step is always saved)."""
+    save_interval: int | str = num(50, ge=1, or_word="auto")
+    """Steps between checkpoints (the final step is always saved); auto: chosen by Young/Daly from the save's stall and the stage's failure rate (cluster.node_mtbf_hours / nodes), from the planner's estimate of the stall before the first save and the measured stall after it (docs/fault-tolerance.md)."""
     keep_last: int = num(2, ge=1)
     """Checkpoints kept besides the final one."""
     keep_incomplete: int = num(1, ge=0)
