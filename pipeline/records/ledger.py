@@ -162,6 +162,7 @@ def accounting(run_dir: Path, stage: str) -> dict[str, Any]:
     resumes = [r for r in records if r.get("kind") == "resume"]
     saves = [float(r.get("save_s", 0.0)) for r in records if r.get("kind") == "checkpoint"]
     down = [float(r["down_s"]) for r in resumes if r.get("down_s") is not None]
+    intervals = [r for r in records if r.get("kind") == "save_interval"]
     return {
         "resumes": len(resumes),
         "steps_lost": sum(int(r.get("steps_lost", 0)) for r in resumes),
@@ -169,4 +170,23 @@ def accounting(run_dir: Path, stage: str) -> dict[str, Any]:
         "checkpoints": len(saves),
         "checkpoint_save_s_total": sum(saves),
         "checkpoint_save_s_max": max(saves, default=0.0),
+        "save_interval": intervals[-1] if intervals else None,
+        "goodput": measured_goodput(records),
     }
+
+
+STEP_PARTS = ("time_data_s", "time_fwd_bwd_s", "time_optimizer_s")
+"""The parts of a train line's time split that are training (engine.train.meter; checkpoint time is not)."""
+
+
+def measured_goodput(records: list[dict[str, Any]]) -> float | None:
+    """Training time / wall time of a stage from its metrics records (every attempt): the last train line's
+    step x the median step compute time (STEP_PARTS), over the time from the first record to the last.
+    Start-ups, saves, downtime and replayed steps are the rest. None before two train lines."""
+    train = [r for r in records if r.get("kind") == "train" and all(p in r for p in STEP_PARTS)]
+    times = [float(r["time"]) for r in records if "time" in r]
+    if len(train) < 2 or len(times) < 2 or max(times) <= min(times):
+        return None
+    per_step = sorted(sum(float(r[p]) for p in STEP_PARTS) for r in train)
+    useful = int(train[-1]["step"]) * per_step[len(per_step) // 2]
+    return min(useful / (max(times) - min(times)), 1.0)

@@ -82,11 +82,20 @@ def _name_blockers(views: list[StageView]) -> None:
 
 def format_accounting(acc: dict[str, Any], attempts: int) -> str:
     down = ", ".join(f"{d:.0f}s" for d in acc["down_s"]) or "-"
-    return (
+    text = (
         f"attempts {attempts}, resumes {acc['resumes']}, steps lost {acc['steps_lost']}, "
         f"failure-to-training {down}, {acc['checkpoints']} checkpoint(s) "
         f"{acc['checkpoint_save_s_total']:.1f}s total (max {acc['checkpoint_save_s_max']:.1f}s)"
     )
+    auto = acc.get("save_interval")
+    if auto:
+        text += (
+            f"; save_interval auto: {auto['interval']} steps (stall {auto['stall_s']:.2f}s {auto['source']}, "
+            f"step {auto['step_s']:.3g}s, a failure every {auto['mtbf_h']:.3g}h on {auto['nodes']} node(s))"
+        )
+    if acc.get("goodput") is not None:
+        text += f"; goodput {acc['goodput']:.1%} measured"
+    return text
 
 
 def _add_accounting(run_dir: Path, ledger: Ledger, views: list[StageView]) -> None:
