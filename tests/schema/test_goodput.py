@@ -21,6 +21,7 @@ from pipeline.schema.goodput import (
     young_interval_s,
 )
 from tests.schema.test_plan import PLAN_70B
+from tests.support.env import REPO
 
 
 def test_daly_interval_by_hand() -> None:
@@ -114,13 +115,16 @@ def test_auto_without_mtbf_is_a_config_error_naming_the_keys() -> None:
 
 
 def test_planner_prints_the_goodput_table_and_the_simulation(capsys: pytest.CaptureFixture[str]) -> None:
-    args = [*PLAN_70B, "cluster.node_mtbf_hours=6300", "pretrain.iters=2000", "pretrain.save_interval=auto"]
-    assert main([*args, "--simulate-failures", "--replications=20", "--seed=1"]) == 0
+    """The 64-node 70B plan of docs/fault-tolerance.md: its goodput table and simulation are printed as there."""
+    args = [*PLAN_70B, "cluster.node_mtbf_hours=6300", "pretrain.iters=100000", "cluster.max_requeues=20"]
+    assert main([*args, "--simulate-failures"]) == 0
     out = capsys.readouterr().out
     assert "one every 98.4 h on 64 node(s)" in out
-    assert "<- auto" in out and "expected goodput" in out
-    assert "failure simulation (20 replications, seed 1" in out
-    assert "in-job restart" in out and "requeue" in out and "(auto)" in out
+    assert "<- auto" in out and "<- configured" in out and "expected goodput" in out
+    assert "failure simulation (200 replications, seed 0" in out
+    assert "in-job restart" in out and "requeue" in out and "(auto)" in out and "(configured)" in out
+    table = out[out.index("goodput (Young/Daly") :].replace("\n== pretrain\n", "\n").rstrip()
+    assert table in (REPO / "docs" / "fault-tolerance.md").read_text(), "docs/fault-tolerance.md is stale"
     assert main([*PLAN_70B, "--simulate-failures"]) == 0
     assert "set cluster.node_mtbf_hours" in capsys.readouterr().out
     assert main([*PLAN_70B, "--replications=x"]) == 2
