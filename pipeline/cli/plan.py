@@ -57,10 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     try:
-        flags, overrides = (
-            _flags([a for a in args if a.startswith("--")]),
-            [a for a in args if not a.startswith("--")],
-        )
+        flags, overrides = _flags(args)
         cfg = compose_config(overrides)
         estimates = [estimate_stage(cfg, s) for s in cfg.run.stages if s in TRAIN_STAGES]
     except ConfigError as e:
@@ -77,24 +74,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(e.fits for e in estimates) else 1
 
 
-def _flags(args: list[str]) -> dict[str, int]:
-    """--simulate-failures, --replications=N, --seed=N (a bad flag is a ConfigError naming it)."""
-    out = {"replications": 200, "seed": 0}
+def _flags(args: list[str]) -> tuple[dict[str, int], list[str]]:
+    """(--simulate-failures, --replications=N, --seed=N; the other arguments, for compose_config)."""
+    out, rest = {"replications": 200, "seed": 0}, []
     for a in args:
-        name, _, value = a[2:].partition("=")
-        if name == "simulate-failures" and not value:
+        name, _, value = a.partition("=")
+        if a == "--simulate-failures":
             out["simulate"] = 1
-            continue
-        if name not in ("replications", "seed") or not value.isdigit():
-            raise ConfigError(
-                f"{a}: unknown flag; the planner takes --simulate-failures, --replications=N, --seed=N"
-            )
-        out[name] = int(value)
+        elif name in ("--replications", "--seed"):
+            if not value.isdigit():
+                raise ConfigError(f"{a}: {name} takes a whole number, e.g. {name}=1")
+            out[name[2:]] = int(value)
+        else:
+            rest.append(a)
     if out["replications"] < 2:
         raise ConfigError(
             f"--replications={out['replications']}: at least 2 (the confidence interval needs them)"
         )
-    return out
+    return out, rest
 
 
 # ---------------------------------------------------------------------------- formatting
