@@ -10,6 +10,8 @@ and so its gradients, become NaN) and compare final checkpoints bit for bit:
 - stop: the stage fails with an error naming step 4 and the policy.
 - async_save: periodic saves in the background give the same checkpoints as synchronous ones, and a kill
   while one is in flight resumes to the same final state.
+- save_interval=auto: saves at the steps of its recorded choices (Young/Daly, engine/checkpoint/interval.py)
+  and ends with the same weights as a fixed interval.
 """
 
 from __future__ import annotations
@@ -194,4 +196,27 @@ def test_kill_with_an_async_save_in_flight_resumes_exactly(
     ok(run(root, "pretrain.async_save=true", fault="kill@step:5"))
     (resume,) = metrics(root, "resume")
     assert resume["from_step"] in (2, 4)
+    assert_identical(tensors(root), tensors(sync_run))
+
+
+@pytest.mark.slow
+def test_auto_save_interval_saves_when_it_chose_and_changes_nothing(
+    data_root: Path, sync_run: Path, tmp_path: Path
+) -> None:
+    """save_interval=auto with a node failing every 7.2 s: saves every step or two, at the steps its recorded
+    choices say, and the final weights equal the fixed-interval run's."""
+    root = seeded(data_root, tmp_path)
+    ok(run(root, "pretrain.save_interval=auto", "cluster.node_mtbf_hours=0.002"))
+    chosen = metrics(root, "save_interval")
+    assert chosen[0]["source"] == "planner estimate" and chosen[0]["step"] == 1, chosen
+    assert all(r["mtbf_h"] == 0.002 and r["nodes"] == 1 for r in chosen)
+    measured = {r["step"]: r["interval"] for r in chosen[1:]}
+    assert all(r["source"] == "measured" for r in chosen[1:])
+    current, last, expected = chosen[0]["interval"], 0, []
+    for s in range(1, 7):
+        if s - last >= current or s == 6:
+            expected.append(s)
+            last, current = s, measured.get(s, current)
+    saves = [m["step"] for m in metrics(root, "checkpoint")]
+    assert saves == expected and len(saves) > 2, (saves, chosen)
     assert_identical(tensors(root), tensors(sync_run))
