@@ -36,6 +36,12 @@ class RunModel:
     shape: float = 1.0
     """Weibull shape of one node's time to failure (1: exponential, < 1: infant mortality)."""
 
+    def __post_init__(self) -> None:
+        if not (self.work_s > 0 and self.interval_s > 0 and self.nodes >= 1 and self.node_mtbf_s > 0):
+            raise ValueError(f"{self}: work, interval and MTBF must be > 0, nodes >= 1")
+        if min(self.save_s, self.load_s, self.recover_s) < 0 or self.shape <= 0:
+            raise ValueError(f"{self}: save, load and recovery times must be >= 0, shape > 0")
+
 
 @dataclass(frozen=True)
 class SimResult:
