@@ -58,6 +58,8 @@ class SimResult:
     lost_per_failure_s: float
     """Mean work (compute and save) thrown away per failure that hit the running job."""
     replications: int
+    one_run: tuple[float, float] = (0.0, 0.0)
+    """The 5th and 95th percentiles of one run's goodput: where a single measured run should fall."""
 
 
 def simulate(run: RunModel, replications: int = 200, seed: int = 0) -> SimResult:
@@ -76,6 +78,7 @@ def simulate(run: RunModel, replications: int = 200, seed: int = 0) -> SimResult
         failures=float(fails.mean()),
         lost_per_failure_s=float(lost.sum() / hits.sum()) if hits.sum() else 0.0,
         replications=replications,
+        one_run=(float(np.percentile(run.work_s / walls, 5)), float(np.percentile(run.work_s / walls, 95))),
     )
 
 

@@ -78,6 +78,7 @@ def test_simulator_agrees_with_the_analytic_goodput_within_its_ci(
     assert r.high - r.low < 0.05
     assert r.lost_per_failure_s == pytest.approx(lost_per_failure_s(tau, save_s, mtbf), rel=0.1)
     assert r.failures > 10
+    assert r.one_run[0] < r.low <= r.high < r.one_run[1], "one run spreads wider than the mean's interval"
 
 
 def test_simulator_is_deterministic_given_a_seed_and_sees_a_worse_interval() -> None:
