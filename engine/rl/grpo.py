@@ -81,10 +81,20 @@ class GRPOStep(Step):
     sequences_per_sample = 1
     metric_names: tuple[str, ...] = ("loss", "kl", "entropy", "clip_frac")
 
-    def __init__(self, beta: float = 0.04, clip_eps: float = 0.2, temperature: float = 1.0) -> None:
-        if beta < 0 or not 0 < clip_eps < 1 or temperature <= 0:
-            raise ValueError(f"beta={beta}, clip_eps={clip_eps}, temperature={temperature}: out of range")
+    def __init__(
+        self,
+        beta: float = 0.04,
+        clip_eps: float = 0.2,
+        temperature: float = 1.0,
+        clip_high: float | None = None,
+    ) -> None:
+        if beta < 0 or not 0 < clip_eps < 1 or temperature <= 0 or (clip_high is not None and clip_high <= 0):
+            raise ValueError(
+                f"beta={beta}, clip_eps={clip_eps}, clip_high={clip_high}, temperature={temperature}: out of range"
+            )
         self.beta, self.clip_eps, self.temperature = beta, clip_eps, temperature
+        self.clip_high = clip_high
+        """Upper clip of the ratio (1 + clip_high); None: clip_eps (symmetric)."""
 
     def __call__(
         self, data_iterator: Iterator[Batch], model: Any
@@ -105,7 +115,8 @@ class GRPOStep(Step):
         mask = batch["loss_mask"].float()
         old = batch["old_logp"] if "old_logp" in batch else logp.detach()
         adv = batch["advantages"].float()
-        pg, clipped = clipped_policy_loss(logp, old, adv[:, None] if adv.dim() == 1 else adv, self.clip_eps)
+        adv = adv[:, None] if adv.dim() == 1 else adv
+        pg, clipped = clipped_policy_loss(logp, old, adv, self.clip_eps, self.clip_high)
         kl = kl_k3(logp, batch["ref_logp"])
         loss = ((pg + self.beta * kl if self.beta else pg) * mask).sum()
         n = mask.sum()
@@ -120,6 +131,32 @@ class GRPOStep(Step):
                 "clip_frac": _report((clipped * mask).sum(), n),
             },
         )
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One sampled batch, as ``GRPOUnit._sample`` returns it."""
+
+    arrays: dict[str, np.ndarray]
+    """This rank's rows: ``tokens``/``labels``/``loss_mask`` (engine.rl.rollout.rollout_rows)."""
+    whole: np.ndarray
+    """[n, 3] float64, every row of the batch: reward, response length, new tokens (the stop token counted)."""
+    own: range
+    """The rows of the batch this data-parallel rank holds."""
+    gen_s: float
+    """The slowest rank's generation time."""
+    stopped: list[bool]
+    """Per row of this rank: whether it ended on a stop token (else it ran to max_new_tokens)."""
+
+
+def rollout_metrics(whole: np.ndarray, gen_s: float) -> dict[str, float]:
+    """The ``train`` line's rollout metrics of the rows ``whole`` (``Sampled.whole``) generated in ``gen_s``."""
+    return {
+        "reward_mean": float(whole[:, 0].astype(np.float32).mean()),
+        "reward_std": float(whole[:, 0].astype(np.float32).std()),
+        "response_len": float(whole[:, 1].mean()),
+        "gen_tokens_per_s": float(whole[:, 2].sum()) / max(gen_s, 1e-9),
+    }
 
 
 @dataclass
@@ -142,14 +179,24 @@ class GRPOUnit(TrainUnit):
     def _rollout(self, step: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """This data-parallel rank's share of the step's rollout (the rows it trains on) and the metrics of
         the whole rollout (per-row rewards and lengths gathered over the data-parallel ranks)."""
+        st = self.settings
+        n, g = st.parallel.global_batch_size, st.group_size
+        start = step * (n // g)  # the stream's position is a function of the step (a skipped step too)
+        share = self._sample(start, sample_seed(st.seed, step, D.dp_rank()))
+        all_rewards = share.whole[:, 0].astype(np.float32)  # float32 -> float64 -> float32: exact
+        self._credit(share.arrays, all_rewards, share.own)
+        self.position = start + n // g
+        return share.arrays, rollout_metrics(share.whole, share.gen_s)
+
+    def _sample(self, start: int, seed: int) -> Sampled:
+        """Sample the batch of prompts ``start..start + P`` x ``group_size``: this rank's rows (``own``), their
+        training arrays, and every row's reward, length and new tokens over the data-parallel ranks."""
         from engine.data.datasets import sample_range
         from engine.models.generate import SamplingParams, generate
 
         t, st, tok = self._t(), self.settings, self.tokenizer
         assert self.prompts is not None and self.reward is not None
-        n = st.parallel.global_batch_size
-        g = st.group_size
-        start = step * (n // g)  # the stream's position is a function of the step (a skipped step too)
+        n, g = st.parallel.global_batch_size, st.group_size
         everyone = [p for p in self.prompts.take(start, n // g) for _ in range(g)]
         own = sample_range(0, n, D.dp_rank(), D.dp_size())  # the rows it trains on (as units.micro_batches)
         rows = everyone[own.start : own.stop]
@@ -158,28 +205,24 @@ class GRPOUnit(TrainUnit):
             temperature=st.temperature,
             top_p=st.top_p,
             stop_tokens=self.stop_tokens or (tok.eod,),
-            seed=sample_seed(st.seed, step, D.dp_rank()),
+            seed=seed,
         )
         t0 = time.perf_counter()
         with t.meter.time("generate"):
             gen = generate(t.chunks, rows, params, vocab_size=tok.vocab_size, pad_id=tok.pad)
         gen_s = time.perf_counter() - t0
         self.generated_rows += len(rows)
-        rewards = np.asarray(self.reward(rows, gen.tokens), dtype=np.float32)
+        rewards = self._shape(np.asarray(self.reward(rows, gen.tokens), dtype=np.float32), gen)
         arrays = rollout_rows(rows, gen.tokens, gen.ends, t.seq_length, tok.pad)
         per_row = np.stack(
             [rewards, [len(x) for x in gen.tokens], [len(x) + s for x, s in zip(gen.tokens, gen.stopped)]], 1
         )
         whole = D.dp_all_gather(per_row)  # [n, 3]: every row's reward, response length, new tokens
-        all_rewards = whole[:, 0].astype(np.float32)  # float32 -> float64 -> float32: exact
-        self._credit(arrays, all_rewards, own)
-        self.position = start + n // g
-        return arrays, {
-            "reward_mean": float(all_rewards.mean()),
-            "reward_std": float(all_rewards.std()),
-            "response_len": float(whole[:, 1].mean()),
-            "gen_tokens_per_s": float(whole[:, 2].sum()) / max(D.all_reduce_max(gen_s), 1e-9),
-        }
+        return Sampled(arrays, whole, own, D.all_reduce_max(gen_s), gen.stopped)
+
+    def _shape(self, rewards: np.ndarray, gen: Any) -> np.ndarray:
+        """This rank's rewards as the algorithm credits them (GRPO: as the reward gives them)."""
+        return rewards
 
     def _credit(self, arrays: dict[str, np.ndarray], rewards: np.ndarray, own: range) -> None:
         """Turn the rollout's rewards (``rewards``: the whole batch) into what the step reads for this rank's

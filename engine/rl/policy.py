@@ -20,15 +20,28 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def clipped_policy_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_eps: float
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float,
+    clip_high: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss ``-min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)`` and where the clip is active.
+    """Per-token PPO-clip loss ``-min(ratio * A, clip(ratio, 1-eps, 1+eps_high) * A)`` and where the clip is
+    active; ``eps_high`` is ``clip_eps`` unless given (DAPO's clip-higher).
 
     ``advantages`` broadcasts against ``logp`` ([b, 1] per sequence for GRPO).
     """
-    ratio = torch.exp(logp - old_logp)
+    return clipped_ratio_loss(torch.exp(logp - old_logp), advantages, clip_eps, clip_high)
+
+
+def clipped_ratio_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)`` and where the clip is active, for
+    any ratio: per token (GRPO, DAPO) or per sequence (GSPO)."""
+    high = clip_low if clip_high is None else clip_high
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + high) * advantages
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
 
 

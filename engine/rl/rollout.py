@@ -34,11 +34,14 @@ class PromptStream:
         return out
 
 
-def sample_seed(seed: int, step: int, dp_rank: int = 0) -> int:
-    """The sampler's seed of data-parallel rank ``dp_rank`` at global step ``step``: a function of (stage seed,
-    step, dp_rank), so a resumed run on the same layout redraws alike. Rank 0 keeps ``(seed, step)``: a
-    single-rank run draws as it did before rollouts were split over data-parallel ranks."""
+def sample_seed(seed: int, step: int, dp_rank: int = 0, round: int = 0) -> int:
+    """The sampler's seed of data-parallel rank ``dp_rank`` at global step ``step`` (and sampling ``round`` of
+    the step: DAPO's refills): a function of them and the stage seed, so a resumed run on the same layout
+    redraws alike. Rank 0 keeps ``(seed, step)``: a single-rank run draws as it did before rollouts were
+    split over data-parallel ranks; round 0 is the step's first draw of every algorithm."""
     entropy = [seed, step] if dp_rank == 0 else [seed, step, dp_rank]
+    if round:
+        entropy = [seed, step, dp_rank, round]
     return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 

@@ -30,6 +30,8 @@ ONLINE_KEYS = (
     "ppo_epochs",
 )
 """The rlhf keys of rollout-based algorithms (sampling, rewards, clipped policy updates)."""
+ASYMMETRIC_KEYS = (*(k for k in ONLINE_KEYS if k != "clip_eps"), "clip_low", "clip_high")
+"""The online keys of the algorithms that clip the ratio to [1 - clip_low, 1 + clip_high] (not clip_eps)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class RLAlgorithm:
     """Its inputs, a subset of ``INPUTS``."""
     module: str = ""
     """The engine module that registers its step and unit (default ``engine.rl.<name>``)."""
+    scaled_by_beta: bool = False
+    """Its loss is scaled by ``rlhf.beta`` (DPO), so beta must be > 0; elsewhere beta 0 turns the KL term off."""
 
     def __post_init__(self) -> None:
         unknown = set(self.reads) - set(INPUTS)
@@ -62,6 +66,7 @@ REGISTRY: tuple[RLAlgorithm, ...] = (
         "offline preference optimisation against the frozen starting model",
         keys=("beta",),
         reads=("preferences",),
+        scaled_by_beta=True,
     ),
     RLAlgorithm(
         "grpo",
@@ -79,6 +84,18 @@ REGISTRY: tuple[RLAlgorithm, ...] = (
         "dr_grpo",
         "GRPO without the std division of the advantages and the per-response length normalisation",
         keys=ONLINE_KEYS,
+        reads=("prompts", "reward"),
+    ),
+    RLAlgorithm(
+        "dapo",
+        "GRPO with clip-higher, dynamic sampling (groups of equal rewards dropped and refilled), overlong shaping",
+        keys=(*ASYMMETRIC_KEYS, "sampling_rounds", "overlong_buffer", "overlong_penalty", "overlong_filter"),
+        reads=("prompts", "reward"),
+    ),
+    RLAlgorithm(
+        "gspo",
+        "GRPO's advantages with a sequence-level importance ratio, clipped per sequence",
+        keys=ASYMMETRIC_KEYS,
         reads=("prompts", "reward"),
     ),
 )

@@ -161,10 +161,10 @@ class TrainStage:
     """Examples are cut at seq_length; one cut so short that it keeps no trained token (its prompt fills the sequence; online RL: a prompt that leaves no room for max_new_tokens) is left out and counted (console, ledger, report). The stage refuses to start, before training, when more than this share of its examples (SFT examples, preference pairs, RL prompts) is lost, and always when all of them are: raise seq_length. Not read by pretrain (its samples are windows of the token stream: nothing is cut)."""
     checkpoint_verify: str = "full"
     """How a resume checks the newest checkpoint, each rank its own files in parallel: full (every byte against the marker's whole-file checksum), sampled (sizes plus 8 sampled 4 MiB blocks per file), sizes."""
-    beta: float = num(0.1, gt=0)
-    """Strength of the KL anchor to the frozen reference model (rlhf only): DPO's beta; GRPO's KL penalty coefficient (k3 estimator); PPO's per-token KL penalty in the rewards (k1 estimator)."""
+    beta: float = num(0.1, ge=0)
+    """Strength of the KL anchor to the frozen reference model (rlhf only): DPO's beta (> 0); GRPO's KL penalty coefficient (k3 estimator; 0: none, DAPO's and GSPO's presets); PPO's per-token KL penalty in the rewards (k1 estimator)."""
     algorithm: str = "dpo"
-    """rlhf algorithm, one of those declared in pipeline/schema/rl.py (each with the rlhf keys it reads): dpo (offline, preference pairs), grpo (online: sampling, rewards, group-normalised advantages, clipped policy loss), dr_grpo (GRPO without the std division of the advantages and the per-response length normalisation of the loss) or ppo (online, with a trained critic: GAE advantages, clipped policy and value losses)."""
+    """rlhf algorithm, one of those declared in pipeline/schema/rl.py (each with the rlhf keys it reads): dpo (offline, preference pairs), grpo (online: sampling, rewards, group-normalised advantages, clipped policy loss), dr_grpo (GRPO without the std division of the advantages and the per-response length normalisation of the loss), dapo (GRPO with clip-higher, dynamic sampling and overlong shaping), gspo (a sequence-level ratio, clipped per sequence) or ppo (online, with a trained critic: GAE advantages, clipped policy and value losses)."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """TensorBoard / W&B sinks and alarm thresholds (no effect on results)."""
     peft: PeftConfig = field(default_factory=PeftConfig)
@@ -218,11 +218,28 @@ class RLHFStage(TrainStage):
     """PPO: the critic's new values are clipped to old value +- value_clip in the value loss (the larger of the clipped and unclipped squared errors counts)."""
     critic_lr: float | None = num(None, integer=False, gt=0)
     """PPO: peak learning rate of the critic (its own optimizer, same warmup and cosine schedule; min_lr capped at it); None: rlhf.lr."""
+    clip_low: float = num(0.2, gt=0, lt=1)
+    """DAPO, GSPO: the ratio is clipped to [1 - clip_low, 1 + clip_high] (GSPO: a sequence's length-normalised ratio, so a much narrower range: conf/rlhf/gspo.yaml)."""
+    clip_high: float = num(0.28, gt=0, le=10)
+    """DAPO, GSPO: upper clip of the ratio (DAPO's clip-higher: above clip_low, so unlikely tokens can gain probability)."""
+    sampling_rounds: int = num(1, ge=1)
+    """DAPO: rollout rounds per step at most; groups whose rewards are all equal are dropped and the batch refilled from the next prompts (1: no dynamic sampling)."""
+    overlong_buffer: int = num(0, ge=0)
+    """DAPO: soft overlong punishment over the last overlong_buffer tokens of max_new_tokens: a response of L > max_new_tokens - overlong_buffer tokens loses overlong_penalty x (L - (max_new_tokens - overlong_buffer)) / overlong_buffer of its reward (0: off)."""
+    overlong_penalty: float = num(1.0, ge=0)
+    """DAPO: the reward a response of max_new_tokens tokens loses with overlong_buffer > 0."""
+    overlong_filter: bool = False
+    """DAPO: responses cut at max_new_tokens (no stop token sampled) are left out of the loss."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         choice("reward", self.reward, REWARDS)
-        if "group_size" not in rl.algorithm(self.algorithm).keys:
+        keys = rl.algorithm(self.algorithm).keys
+        if rl.algorithm(self.algorithm).scaled_by_beta and self.beta <= 0:
+            fail("beta", self.beta, f"must be > 0 for rlhf.algorithm={self.algorithm} (its loss is scaled by beta)")
+        if "overlong_buffer" in keys and self.overlong_buffer > self.max_new_tokens:
+            fail("overlong_buffer", self.overlong_buffer, f"must be at most max_new_tokens={self.max_new_tokens}")
+        if "group_size" not in keys:
             return
         gbs = self.parallel.global_batch_size
         if gbs % self.group_size:

@@ -248,3 +248,73 @@ def test_ppo_killed_mid_run_resumes_bit_identical(
     assert got.keys() == final.keys()
     diff = [k for k in final if not torch.equal(final[k], got[k])]
     assert not diff, f"tensors differ after the resume: {diff[:5]}; {first_divergence(want, metrics(root))}"
+
+
+# ---------------------------------------------------------------------------- DAPO and GSPO
+
+DAPO = (
+    "run.stages=[rlhf]",
+    "rlhf.algorithm=dapo",
+    "rlhf.beta=0",
+    "rlhf.sampling_rounds=3",
+    "rlhf.overlong_buffer=2",
+)
+GSPO = ("run.stages=[rlhf]", "rlhf.algorithm=gspo", "rlhf.beta=0", "rlhf.clip_low=3e-4", "rlhf.clip_high=4e-4")
+
+
+@pytest.fixture(scope="module")
+def dapo_baseline(sft_root: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
+    root = seeded_ppo(sft_root, tmp_path_factory.mktemp("dapo"), DAPO)
+    r = run(root, *DAPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return final_tensors(root), metrics(root)
+
+
+def test_dapo_refills_groups_of_equal_rewards_and_trains(
+    dapo_baseline: tuple[dict, list[dict]], baseline: tuple[dict, list[dict]]
+) -> None:
+    final, lines = dapo_baseline
+    train = [m for m in lines if m["kind"] == "train"]
+    assert [m["step"] for m in train] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "entropy", "clip_frac", "reward_mean", "sampling_rounds", "groups_kept"):
+        assert all(key in m and m[key] == m[key] for m in train), key  # present and not NaN
+    assert all(1 <= m["sampling_rounds"] <= 3 and 0 <= m["groups_kept"] <= 1 for m in train), train
+    # a step whose first round had a group of equal rewards sampled again (the tiny policy often agrees)
+    assert any(m["sampling_rounds"] > 1 for m in train), train
+    grpo_final, _ = baseline
+    weights = [k for k in final if k.startswith("decoder") and k in grpo_final]
+    assert weights and any(not torch.equal(final[k], grpo_final[k]) for k in weights)
+
+
+def test_dapo_killed_mid_run_resumes_bit_identical(
+    sft_root: Path, dapo_baseline: tuple[dict, list[dict]], tmp_path: Path
+) -> None:
+    """The prompt stream's position is DAPO's state (refills consume prompts): a resume restores it."""
+    root = seeded_ppo(sft_root, tmp_path / "killed", DAPO)
+    first = run(root, *DAPO, fault="kill@step:4")  # SIGKILL before step 4's update (after the step-2 save)
+    if first.returncode != 0:  # the launcher did not requeue it itself: start it again
+        r = run(root, *DAPO)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert [m["from_step"] for m in metrics(root) if m["kind"] == "resume"] == [2]
+    final, want = dapo_baseline
+    got = final_tensors(root)
+    diff = [k for k in final if not torch.equal(final[k], got[k])]
+    assert not diff, f"tensors differ after the resume: {diff[:5]}; {first_divergence(want, metrics(root))}"
+
+
+def test_gspo_trains_with_a_sequence_ratio(
+    sft_root: Path, baseline: tuple[dict, list[dict]], tmp_path: Path
+) -> None:
+    root = seeded_ppo(sft_root, tmp_path / "gspo", GSPO)
+    r = run(root, *GSPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    train = [m for m in metrics(root) if m["kind"] == "train"]
+    assert [m["step"] for m in train] == [1, 2, 3, 4, 5, 6]
+    assert all(m["loss"] == m["loss"] and 0 <= m["clip_frac"] <= 1 for m in train), train
+    # two updates per rollout (BASE): the second's sequence ratios leave the narrow clip range somewhere
+    assert any(m["clip_frac"] > 0 for m in train), train
+    grpo_final, grpo_lines = baseline
+    assert train[0]["reward_mean"] == [m for m in grpo_lines if m["kind"] == "train"][0]["reward_mean"]
+    final = final_tensors(root)
+    weights = [k for k in final if k.startswith("decoder") and k in grpo_final]
+    assert weights and any(not torch.equal(final[k], grpo_final[k]) for k in weights)
