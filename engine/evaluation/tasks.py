@@ -4,6 +4,7 @@ few-shot seed and count, the number of documents) and, on request, the sample-le
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -36,6 +37,14 @@ def task_manager(task_paths: list[str], tasks: list[str] | None = None) -> Any:
         own = TaskManager(include_path=list(task_paths), include_defaults=False)
         if set(tasks) <= set(own.all_subtasks):
             return own
+    return _full_manager(tuple(task_paths))
+
+
+@functools.cache
+def _full_manager(task_paths: tuple[str, ...]) -> Any:
+    """The bundled tasks and ``task_paths`` indexed once per process (pre-flight and tests ask again)."""
+    from lm_eval.tasks import TaskManager
+
     return TaskManager(include_path=list(task_paths) or None)
 
 
