@@ -35,6 +35,13 @@ def test_missing_task_folder_names_the_key(tmp_path: Path) -> None:
         check(tmp_path, [], [str(tmp_path / "nope")])
 
 
+def test_pipeline_parallel_eval_is_refused(tmp_path: Path, task_dir: Path) -> None:
+    cfg = PipelineConfig()
+    cfg.eval.tasks, cfg.eval.task_paths, cfg.eval.parallel.pp = ["local_mc"], [str(task_dir)], 2
+    with pytest.raises(ConfigError, match=r"eval\.parallel\.pp=2: lm-eval tasks"):
+        preflight_tasks._lm_tasks(cfg, "eval")
+
+
 def test_missing_data_file_names_it(tmp_path: Path, task_dir: Path) -> None:
     (task_dir / "mc_test.jsonl").unlink()
     with pytest.raises(

@@ -19,6 +19,12 @@ def _lm_tasks(cfg: PipelineConfig, stage: str) -> None:
             fail(f"eval.task_paths[{i}]", p, "no such folder (a folder of lm-eval task YAML files)")
     if not ev.tasks:
         return
+    if ev.parallel.pp > 1:
+        fail(
+            "eval.parallel.pp",
+            ev.parallel.pp,
+            "lm-eval tasks (eval.tasks) run with pp=1 (tensor parallel is fine)",
+        )
     from engine.evaluation.checks import task_problems
 
     problems = task_problems(list(ev.tasks), list(ev.task_paths))
