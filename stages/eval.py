@@ -30,6 +30,9 @@ under ``<stage>/checkpoints`` is loaded (weights only) into one model built from
           "samples": [{"prompt", "answer", "generated", "correct"}, ...]  (first 5)
         }
       },
+      (with eval.tasks, each model also has "lm_eval": {"<task>": {"metrics": {"<metric>[,<filter>]": {"value",
+       "stderr"}}, "version", "config_hash", "num_fewshot", "fewshot_seed", "samples" (documents scored)}},
+       and "settings" has "lm_eval": {"tasks", "task_paths", "num_fewshot", "limit", "fewshot_seed", "max_gen_toks"})
       "skipped": {"<stage>": "<reason>"}   (in eval.models but not in the run, or no checkpoint)
       "reward_model": {"checkpoint", "iteration", "pref_accuracy" (r(chosen) > r(rejected) on eval_pref),
                        "reward_margin" (mean r(chosen) - r(rejected)), "pairs"}
@@ -37,7 +40,13 @@ under ``<stage>/checkpoints`` is loaded (weights only) into one model built from
     }
 
 One ``{"kind": "eval", "model", "perplexity", "task_accuracy", "pref_accuracy"}`` line per model goes to
-``metrics.jsonl``, and a comparison table is printed.
+``metrics.jsonl`` (and with ``eval.tasks`` one ``{"kind": "eval_task", "model", "task", "<metric>",
+"<metric>_stderr", ...}`` line per model and lm-eval task), and a comparison table is printed.
+
+lm-eval tasks (``eval.tasks``, ``eval.task_paths``): each model is run on them through the engine's lm-eval
+backend (engine.evaluation) with the run's tokenizer, ``model.seq_length`` tokens of context and
+``eval.batch_size`` requests per forward; ``eval.log_samples`` keeps lm-eval's per-document samples under
+``lm_eval_samples/<model>/<task>.jsonl`` in the stage directory.
 """
 
 from __future__ import annotations
@@ -56,13 +65,13 @@ from pipeline.schema.config import PipelineConfig
 from stages import tasks
 
 RESULTS = "results.json"
+SAMPLES = "lm_eval_samples"
+"""Folder of lm-eval's per-document samples (``eval.log_samples``), one subfolder per model."""
 NUM_SAMPLES = 5
 """Generated answers kept per model in results.json, for reading."""
 
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
-    from engine.checkpoint.latest import find_latest
-    from engine.checkpoint.load import load_weights
     from engine.data.datasets import load_tokenizer, read_manifest
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
@@ -77,31 +86,8 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
         tok = load_tokenizer(data / "tokenizer.json")
         sets = _load_sets(data, tok, cfg)
         chunks = build_model(cfg.model, ev.parallel, tok.vocab_size)
-        model = chunks[0]
-        model.eval()
-        results: dict[str, Any] = {}
-        skipped: dict[str, str] = {}
-        for stage in ev.models:
-            if stage.startswith("hf:"):  # a Hugging Face directory, scored as it is (e.g. the base model)
-                results[stage] = {
-                    "checkpoint": stage[3:],
-                    "iteration": None,
-                    **_eval_hf(chunks, stage, tok, sets, cfg),
-                }
-                continue
-            if stage not in ctx.inputs:
-                skipped[stage] = "not in this run"
-                continue
-            ckpt = find_latest(Path(ctx.inputs[stage]) / "checkpoints")
-            if ckpt is None:
-                skipped[stage] = f"no verified checkpoint under {ctx.inputs[stage]}/checkpoints"
-                continue
-            load_weights(ckpt, chunks)
-            results[stage] = {
-                "checkpoint": str(ckpt),
-                "iteration": _iteration(ckpt),
-                **evaluate(model, tok, sets, cfg),
-            }
+        chunks[0].eval()
+        results, skipped = _eval_models(cfg, ctx, chunks, tok, sets)
         reward = _eval_reward_model(ctx, cfg, tok, sets, skipped)
     finally:
         D.shutdown()
@@ -114,6 +100,7 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
             "perplexity_batches": ev.perplexity_batches,
             "num_task_examples": ev.num_task_examples,
             "max_new_tokens": ev.max_new_tokens,
+            **({"lm_eval": _lm_settings(cfg)} if ev.tasks else {}),
         },
         "data": {
             "dir": str(data),
@@ -139,6 +126,107 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     if reward is not None:
         summary["reward_model"] = {"pref_accuracy": reward["pref_accuracy"]}
     return {"results": str(Path(ctx.out_dir) / RESULTS), "models": summary, "skipped": skipped}
+
+
+def _eval_models(
+    cfg: PipelineConfig, ctx: StageContext, chunks: list[Any], tok: Any, sets: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each model of ``eval.models`` loaded into ``chunks`` in turn and scored (and run on ``eval.tasks``)."""
+    from engine.checkpoint.latest import find_latest
+    from engine.checkpoint.load import load_weights
+    from pipeline.schema.hf_arch import parse_ref
+
+    results: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    manager = _task_manager(cfg)
+    for stage in cfg.eval.models:
+        stops = list(sets.get("stop_tokens") or [tok.eod])
+        if stage.startswith("hf:"):  # a Hugging Face directory, scored as it is (e.g. the base model)
+            from engine.evaluation.load import hf_stop_tokens
+
+            hf_dir = parse_ref(stage) or Path(stage)
+            stops += hf_stop_tokens(hf_dir)
+            results[stage] = {
+                "checkpoint": stage[3:],
+                "iteration": None,
+                **_eval_hf(chunks, stage, tok, sets, cfg),
+            }
+        elif stage not in ctx.inputs:
+            skipped[stage] = "not in this run"
+            continue
+        elif (ckpt := find_latest(Path(ctx.inputs[stage]) / "checkpoints")) is None:
+            skipped[stage] = f"no verified checkpoint under {ctx.inputs[stage]}/checkpoints"
+            continue
+        else:
+            load_weights(ckpt, chunks)
+            results[stage] = {
+                "checkpoint": str(ckpt),
+                "iteration": _iteration(ckpt),
+                **evaluate(chunks[0], tok, sets, cfg),
+            }
+        if manager is not None:
+            results[stage]["lm_eval"] = _lm_eval(cfg, ctx, chunks, tok, stops, stage, manager)
+    return results, skipped
+
+
+def _lm_run(cfg: PipelineConfig) -> Any:
+    from engine.evaluation.tasks import TaskRun
+
+    ev = cfg.eval
+    return TaskRun(
+        tasks=list(ev.tasks),
+        task_paths=list(ev.task_paths),
+        num_fewshot=ev.num_fewshot,
+        limit=ev.limit,
+        fewshot_seed=ev.fewshot_seed,
+        log_samples=ev.log_samples,
+    )
+
+
+def _lm_settings(cfg: PipelineConfig) -> dict[str, Any]:
+    ev = cfg.eval
+    return {
+        "tasks": list(ev.tasks),
+        "task_paths": list(ev.task_paths),
+        "num_fewshot": ev.num_fewshot,
+        "limit": ev.limit,
+        "fewshot_seed": ev.fewshot_seed,
+        "max_gen_toks": ev.max_gen_toks,
+    }
+
+
+def _task_manager(cfg: PipelineConfig) -> Any:
+    """lm-eval's TaskManager for ``eval.tasks`` (built once for every model); None when no task is asked for."""
+    if not cfg.eval.tasks:
+        return None
+    from engine.evaluation.tasks import task_manager
+
+    return task_manager(list(cfg.eval.task_paths), list(cfg.eval.tasks))
+
+
+def _lm_eval(
+    cfg: PipelineConfig,
+    ctx: StageContext,
+    chunks: list[Any],
+    tok: Any,
+    stops: list[int],
+    stage: str,
+    manager: Any,
+) -> dict[str, Any]:
+    """``eval.tasks`` on the weights now in ``chunks`` through the engine's lm-eval backend (one section per task)."""
+    from engine.evaluation.lm import EngineLM
+    from engine.evaluation.tasks import run_tasks
+
+    lm = EngineLM(
+        chunks,
+        tok,
+        max_length=cfg.model.seq_length,
+        batch_size=cfg.eval.batch_size,
+        max_gen_toks=cfg.eval.max_gen_toks,
+        stop_tokens=stops,
+    )
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", stage)  # an hf:<dir> model gets a file-safe folder name
+    return run_tasks(lm, _lm_run(cfg), manager, Path(ctx.out_dir) / SAMPLES / name)
 
 
 def _eval_reward_model(
@@ -347,6 +435,10 @@ def _write_results(ctx: StageContext, out: dict[str, Any]) -> None:
                 "pref_accuracy": r["pref_accuracy"],
             }
         )
+        for task, sec in r.get("lm_eval", {}).items():
+            values = {k: m["value"] for k, m in sec["metrics"].items()}
+            errors = {f"{k}_stderr": m["stderr"] for k, m in sec["metrics"].items()}
+            metrics.write({"kind": "eval_task", "model": stage, "task": task, **values, **errors})
 
 
 def format_table(out: dict[str, Any]) -> str:
@@ -372,4 +464,22 @@ def format_table(out: dict[str, Any]) -> str:
         )
     for stage, why in out["skipped"].items():
         lines.append(f"{stage:<10} skipped: {why}")
-    return "\n".join(lines)
+    return "\n".join(lines + _task_lines(out))
+
+
+def _task_lines(out: dict[str, Any]) -> list[str]:
+    """lm-eval's task metrics of every model, value +- standard error (none when no task was run)."""
+    rows = [
+        (stage, task, name, m)
+        for stage, r in out["models"].items()
+        for task, sec in r.get("lm_eval", {}).items()
+        for name, m in sec["metrics"].items()
+    ]
+    if not rows:
+        return []
+    lines = [f"{'model':<10} {'task':<20} {'metric':<24} {'value':>9} {'stderr':>9}"]
+    for stage, task, name, m in rows:
+        value = "-" if m["value"] is None else f"{m['value']:.4f}"
+        err = "" if m["stderr"] is None else f"± {m['stderr']:.4f}"
+        lines.append(f"{stage:<10} {task:<20} {name:<24} {value:>9} {err:>9}")
+    return lines

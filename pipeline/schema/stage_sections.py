@@ -269,13 +269,32 @@ class EvalStage:
     perplexity_batches: int = num(8, ge=1)
     """Validation batches for perplexity."""
     batch_size: int = num(16, ge=1)
-    """Sequences per forward pass."""
+    """Sequences per forward pass (lm-eval requests too)."""
+    tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks (or groups) by lm-eval's own names (e.g. arc_easy, hellaswag, gsm8k) or those
+    defined under task_paths, run on every evaluated model with the engine backend; empty: none."""
+    task_paths: list[str] = field(default_factory=list)
+    """Folders of users' own lm-eval task YAMLs (lm-eval's include_path); each must exist."""
+    num_fewshot: int | None = num(None, integer=True, ge=0)
+    """Few-shot examples per prompt for every task (None: each task's own default)."""
+    limit: int | None = num(None, integer=True, ge=1)
+    """Documents per task (None: all), for quick or in-training checks."""
+    fewshot_seed: int = num(1234, ge=0)
+    """Seed of lm-eval's few-shot sampler (lm-eval's default, 1234)."""
+    max_gen_toks: int = num(256, ge=1)
+    """New tokens of a generate-until request when its task does not say (lm-eval's default, 256)."""
+    log_samples: bool = False
+    """Write lm-eval's per-document samples to <eval stage dir>/lm_eval_samples/<model>/<task>.jsonl."""
 
     def __post_init__(self) -> None:
         check_domains(self)
         for m in self.models:
             if not m.startswith("hf:"):
                 choice("models", m, TRAIN_STAGES)
+        for key, values in (("tasks", self.tasks), ("task_paths", self.task_paths)):
+            for i, v in enumerate(values):
+                if not isinstance(v, str) or not v.strip():
+                    fail(f"{key}[{i}]", v, "a non-empty string")
 
 
 @dataclass

@@ -121,3 +121,15 @@ def test_side_by_side_on_one_core_says_it_is_skipped(
     monkeypatch.setattr(bench_attention, "_launch", lambda *a, **k: pytest.fail("a worker was started"))
     assert bench_attention.side_by_side_ratios("demo", argparse.Namespace(reps=2)) == []
     assert "side by side: needs two cores" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_lm_eval_bench_prints_the_ratios_and_the_results_agree(tmp_path: Path) -> None:
+    out = tmp_path / "lm.json"
+    args = ["--docs", "3", "--hidden", "64", "--layers", "1", "--rounds", "1", "--json", str(out)]
+    r = run_bench("bench_lm_eval", *args)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert sorted(rows) == ["generate_until", "loglikelihood", "loglikelihood_rolling"]
+    assert all(x["ratio"] > 0 and x["agree"] == 1.0 for x in rows.values()), rows

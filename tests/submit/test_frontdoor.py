@@ -96,6 +96,11 @@ CASES = {
         ["data.corpus=sources", "+data.sources=[{path: a.txt, formt: text}]"],
         ["data.sources[0].formt=text", "did you mean 'data.sources[0].format'"],
     ),
+    "missing lm-eval task folder": (
+        ["eval.tasks=[arc_easy]", "eval.task_paths=[/no/such/tasks]"],
+        ["eval.task_paths[0]='/no/such/tasks'", "no such folder"],
+    ),
+    "empty lm-eval task name": (["eval.tasks=['']"], ["eval.tasks[0]=''", "a non-empty string"]),
     "missing file": (
         ["data.corpus=files", "data.text_paths=[/no/such/file.txt]"],
         ["data.text_paths", "does not exist"],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pipeline.schema.config import PipelineConfig
 from pipeline.schema.graph import order
-from pipeline.submit.preflight import checkpoints, data, machine, prompts
+from pipeline.submit.preflight import checkpoints, data, machine, prompts, tasks
 from pipeline.submit.preflight.checks import CHECKPOINT_MARKER, CHECKS, INIT_FROM_SCHEMES, Check, reads
 from pipeline.submit.preflight.data import SPECIAL_TOKENS, text_files, tokenizer_vocab_size
 from pipeline.submit.preflight.machine import local_gpus
@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 
-MODULES = (data, prompts, checkpoints, machine)
+MODULES = (data, prompts, checkpoints, tasks, machine)
 """The order their checks run in: inputs before what is built from them, the machine last."""
 
 

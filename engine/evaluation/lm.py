@@ -1,0 +1,225 @@
+"""An lm-evaluation-harness model backend on the engine's megatron-core GPT model (registered as ``llm-pipeline``).
+
+``EngineLM(chunks, tok, max_length=...)`` serves lm-eval's three request kinds on this rank's model chunks (as
+``engine.models.gpt.build_model`` returns them, weights loaded) with the run's tokenizer
+(``engine.data.datasets.Tokenizer``):
+
+- ``loglikelihood``: lm-eval's own encoding (``TemplateLM``: the context and continuation encoded together, then
+  split; an empty context gets the prefix token, bos else eos), then one forward per batch of right-padded rows
+  (causal attention: padding after a row never reaches it), the summed log-probs of the continuation tokens and
+  whether each is the argmax, as lm-eval's ``hf`` backend computes them;
+- ``loglikelihood_rolling``: lm-eval's disjoint rolling windows of ``max_length`` tokens (prefix token first),
+  scored as above and summed per document;
+- ``generate_until``: greedy (or sampled, when a task asks) generation with the engine's KV cache
+  (``engine.models.generate``) up to ``max_gen_toks`` or a stop token (the tokenizer's eos and ``stop_tokens``),
+  decoded without special tokens and cut at the first of the task's ``until`` strings.
+
+Requests are sorted longest first and batched ``batch_size`` at a time (lm-eval's ``Collator``); results come
+back in request order. One rank, or the ranks of one tensor-parallel group serving the same requests (logits
+gathered over TP); pipeline parallelism is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import (
+    Collator,
+    handle_stop_sequences,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from engine.runtime import distributed as D
+
+DEFAULT_MAX_GEN_TOKS = 256
+"""New tokens per generation when a task does not say (lm-eval's ``hf`` backend's default)."""
+
+
+@register_model("llm-pipeline")
+class EngineLM(TemplateLM):
+    """lm-eval's ``LM`` on the engine; see the module docstring."""
+
+    def __init__(
+        self,
+        chunks: list[Any] | None = None,
+        tok: Any = None,
+        *,
+        max_length: int = 2048,
+        batch_size: int | str = 8,
+        max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+        stop_tokens: Sequence[int] = (),
+        pretrained: str | None = None,
+        **_lm_eval_extras: Any,
+    ) -> None:
+        super().__init__()
+        if chunks is None or tok is None:  # through lm-eval's registry: ``pretrained=<hf dir>`` (one rank)
+            if not pretrained:
+                raise ValueError("llm-pipeline: give model_args pretrained=<Hugging Face directory>")
+            from engine.evaluation.load import load_hf_dir
+
+            chunks, tok, stop_tokens, max_length = load_hf_dir(pretrained, max_length)
+        if len(chunks) != 1 or D.pp_size() > 1:
+            raise ValueError(
+                "llm-pipeline: pipeline parallelism is not supported for lm-eval tasks; use pp=1"
+            )
+        self.model = chunks[0]
+        self.model.eval()
+        self.chunks = chunks
+        self.tok = tok
+        self._max_length = int(max_length)
+        self._batch_size = int(batch_size) if str(batch_size).isdigit() else 8  # "auto": a fixed batch
+        self._max_gen_toks = int(max_gen_toks)
+        self.stop_tokens = tuple(dict.fromkeys([tok.eod, *stop_tokens]))
+
+    # ------------------------------------------------------------------------ what lm-eval asks of a model
+
+    @property
+    def eot_token_id(self) -> int:
+        return int(self.tok.special_ids.get("bos", self.tok.eod))
+
+    @property
+    def prefix_token_id(self) -> int:
+        return int(self.tok.special_ids.get("bos", self.tok.eod))
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tok.source)
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """The tokenizer's own post-processing (e.g. a bos it adds) unless asked not to, as transformers' default;
+        not when the string already starts with the prefix token's text."""
+        add = True if add_special_tokens is None else add_special_tokens
+        if add_special_tokens is None and string.startswith(self.tok.decode([self.prefix_token_id])):
+            add = False
+        return list(self.tok.hf.encode(string, add_special_tokens=add).ids)
+
+    def tok_decode(self, ids: Sequence[int]) -> str:
+        return str(self.tok.hf.decode([int(i) for i in ids], skip_special_tokens=True))
+
+    # ------------------------------------------------------------------------ scoring
+
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[Any, list[int], list[int]]], **kwargs: Any
+    ) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation | context), continuation is greedy) per request, in request order."""
+        collator = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])))
+        out: list[tuple[float, bool]] = []
+        for batch in collator.get_batched(n=self.batch_size):
+            rows, conts = [], []
+            for _, ctx, cont in batch:
+                if not ctx or not cont:
+                    raise ValueError("llm-pipeline: a request with an empty context or continuation")
+                rows.append((ctx + cont)[-(self.max_length + 1) :][:-1])  # cut on the left to fit
+                conts.append(cont)
+            out += score_rows(self.model, rows, conts, pad_id=self.tok.pad)
+            for (key, _, _), r in zip(batch, out[-len(batch) :]):
+                if key is not None:
+                    self.cache_hook.add_partial("loglikelihood", key, r)
+        return list(collator.get_original(out))
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """Summed log-likelihood of each whole document over lm-eval's disjoint windows of max_length tokens."""
+        windows: list[tuple[Any, list[int], list[int]]] = []
+        owners: list[int] = []
+        for i, (text,) in enumerate(req.args for req in requests):
+            for ctx, cont in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
+                windows.append((None, list(ctx), list(cont)))
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for i, (ll, _) in zip(owners, self._loglikelihood_tokens(windows)):
+            totals[i] += ll
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # ------------------------------------------------------------------------ generation
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Generations per request (same generation settings batched together), cut at the ``until`` strings."""
+        collator = Collator(
+            [req.args for req in requests],
+            sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
+            group_by="gen_kwargs",
+            group_fn=lambda r: r[1],
+        )
+        eos = self.tok.decode([self.eot_token_id])
+        out: list[str] = []
+        for batch in collator.get_batched(n=self.batch_size):
+            contexts, all_kwargs = zip(*batch)
+            kwargs = dict(normalize_gen_kwargs(all_kwargs[0], self._max_gen_toks))
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            new = int(kwargs.pop("max_gen_toks"))
+            room = self.max_length - new
+            if room <= 0:
+                raise ValueError(
+                    f"llm-pipeline: max_gen_toks={new} leaves no room in max_length={self.max_length}"
+                )
+            prompts = [self.tok_encode(c)[-room:] for c in contexts]
+            texts = self._generate(prompts, new, kwargs)
+            for ctx, gen_kwargs, text in zip(contexts, all_kwargs, texts):
+                s = postprocess_generated_text(generation=text, stop=until, think_end_token=None)
+                out.append(s)
+                self.cache_hook.add_partial("generate_until", (ctx, gen_kwargs), s)
+        return list(collator.get_original(out))
+
+    def _generate(self, prompts: list[list[int]], new: int, kwargs: dict[str, Any]) -> list[str]:
+        from engine.models.generate import SamplingParams, generate
+
+        sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature") or 0.0) > 0
+        params = SamplingParams(
+            max_new_tokens=new,
+            temperature=float(kwargs["temperature"]) if sample else 0.0,
+            top_k=int(kwargs.get("top_k") or 0) if sample else 0,
+            top_p=float(kwargs.get("top_p") or 1.0) if sample else 1.0,
+            stop_tokens=self.stop_tokens,
+            seed=int(kwargs.get("seed") or 0),
+        )
+        got = generate(self.chunks, prompts, params, vocab_size=self.tok.vocab_size, pad_id=self.tok.pad)
+        return [self.tok_decode(ids) for ids in got.tokens]
+
+
+def score_rows(
+    model: Any, rows: list[list[int]], conts: list[list[int]], pad_id: int = 0
+) -> list[tuple[float, bool]]:
+    """For each row (token ids) ending in its continuation ``conts[i]`` shifted by one (the row holds every token
+    but the continuation's last): the continuation's summed log-probs and whether each token is the argmax."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    dev = D.device()
+    width = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long, device=dev)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long, device=dev)
+    pos = torch.arange(width, device=dev).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        logits = gather_from_tensor_model_parallel_region(model(tokens, pos, None))
+        logp = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    for i, (r, c) in enumerate(zip(rows, conts)):
+        span = logp[i, len(r) - len(c) : len(r)]  # [len(c), V]: the positions predicting the continuation
+        want = torch.tensor(c, dtype=torch.long, device=dev)
+        ll = float(span.gather(-1, want[:, None]).sum())
+        out.append((ll, bool((span.argmax(-1) == want).all())))
+    return out

@@ -1,0 +1,37 @@
+"""Models for the lm-eval backend: a Hugging Face directory imported into the engine (one rank when lm-eval's
+registry builds the backend itself), and the stop tokens a directory's config.json names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.schema.hf_arch import read_config
+
+
+def hf_stop_tokens(hf_dir: Path) -> list[int]:
+    """config.json's ``eos_token_id`` (an id or a list): where transformers' generation stops too."""
+    eos = read_config(hf_dir).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(x) for x in (eos if isinstance(eos, list) else [eos])]
+
+
+def load_hf_dir(hf_dir: str | Path, max_length: int | None = None) -> tuple[list[Any], Any, list[int], int]:
+    """(model chunks, tokenizer, stop tokens, max_length) for ``hf_dir`` on one rank (starts the engine's process
+    group when none is up). ``max_length``: default config.json's positions (at most 4096)."""
+    from engine.data.datasets import load_tokenizer
+    from engine.models.gpt import build_model
+    from engine.models.hf_weights import load_hf
+    from engine.runtime import distributed as D
+    from pipeline.schema.hf_arch import model_config
+    from pipeline.schema.sections import ParallelConfig
+
+    path = Path(hf_dir)
+    model = model_config(path) if max_length is None else model_config(path, seq_length=int(max_length))
+    par = ParallelConfig(micro_batch_size=1, global_batch_size=1)
+    D.init(1, 1, seed=0, threads=1)
+    tok = load_tokenizer(path)
+    chunks = build_model(model, par, model.vocab_size or tok.vocab_size, trainable=False)
+    load_hf(chunks, path, model)
+    return chunks, tok, hf_stop_tokens(path), model.seq_length

@@ -1,0 +1,68 @@
+"""The eval stage with ``eval.tasks``: lm-eval tasks (local task files in real tasks' format) on every evaluated
+model through the engine backend; results.json, metrics.jsonl, the table and the sample logs carry them, and the
+stage's own scores are what they are without tasks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.stages.test_eval import SCRIPT
+from tests.support.env import REPO
+from tests.support.lm_tasks import write_tasks
+from tests.support.prep import run_prep, tiny_config, write_corpus
+
+
+def test_eval_runs_lm_eval_tasks_for_each_model(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus)
+    cfg = tiny_config(corpus)
+    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length = 2, 64, 64
+    cfg.eval.num_task_examples, cfg.eval.perplexity_batches, cfg.eval.batch_size = 2, 1, 4
+    cfg.eval.max_new_tokens, cfg.eval.threads = 3, 1
+    cfg.eval.models = ["pretrain", "sft"]
+    tasks = write_tasks(tmp_path / "tasks")
+    cfg.eval.tasks, cfg.eval.task_paths = ["local_mc", "local_gen"], [str(tasks)]
+    cfg.eval.limit, cfg.eval.num_fewshot, cfg.eval.fewshot_seed, cfg.eval.log_samples = 3, 1, 7, True
+    run = tmp_path / "run"
+    run_prep(cfg, run / "stages" / "data_prep")
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    env |= {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "cfg.json"), str(run)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = run / "stages" / "eval"
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["lm_eval"]["tasks"] == ["local_mc", "local_gen"]
+    for model in ("pretrain", "sft"):
+        r = results["models"][model]
+        assert r["perplexity"] is not None and sorted(r["lm_eval"]) == ["local_gen", "local_mc"]
+        mc, gen = r["lm_eval"]["local_mc"], r["lm_eval"]["local_gen"]
+        assert sorted(mc["metrics"]) == ["acc", "acc_norm"] and mc["metrics"]["acc"]["stderr"] is not None
+        assert 0.0 <= mc["metrics"]["acc"]["value"] <= 1.0
+        assert "exact_match,strict-match" in gen["metrics"]
+        assert (mc["version"], gen["version"]) == (1.0, 3.0)
+        assert mc["samples"] == 3 and mc["num_fewshot"] == 1 and mc["fewshot_seed"] == 7
+        assert len(mc["config_hash"]) == 16
+        assert len((out / "lm_eval_samples" / model / "local_mc.jsonl").read_text().splitlines()) == 3
+    # same weights in both: same task results
+    assert results["models"]["pretrain"]["lm_eval"] == results["models"]["sft"]["lm_eval"]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    tasks_seen = [(x["model"], x["task"]) for x in lines if x["kind"] == "eval_task"]
+    assert sorted(tasks_seen) == sorted(
+        (m, t) for m in ("pretrain", "sft") for t in ("local_mc", "local_gen")
+    )
+    assert all("acc_stderr" in x for x in lines if x.get("task") == "local_mc")
+    assert "local_mc" in proc.stdout and "acc_norm" in proc.stdout and "±" in proc.stdout  # the table

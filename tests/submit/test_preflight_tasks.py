@@ -1,0 +1,71 @@
+"""Pre-flight of eval.tasks: a missing task folder, an unknown task name (did-you-mean from lm-eval's registry),
+a local task whose data file is missing and a bundled task whose dataset is not cached are config errors naming
+the key and the fix, before any job starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.schema.config import PipelineConfig
+from pipeline.schema.errors import ConfigError
+from pipeline.submit.preflight import tasks as preflight_tasks
+from tests.support.lm_tasks import write_tasks
+
+
+def check(tmp_path: Path, tasks: list[str], paths: list[str] | None = None) -> None:
+    cfg = PipelineConfig()
+    cfg.eval.tasks = tasks
+    cfg.eval.task_paths = [str(tmp_path / "tasks")] if paths is None else paths
+    preflight_tasks._lm_tasks(cfg, "eval")
+
+
+@pytest.fixture
+def task_dir(tmp_path: Path) -> Path:
+    return write_tasks(tmp_path / "tasks")
+
+
+def test_local_tasks_with_their_files_pass(tmp_path: Path, task_dir: Path) -> None:
+    check(tmp_path, ["local_mc", "local_ppl", "local_gen", "arc_easy_local"])
+
+
+def test_missing_task_folder_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"eval\.task_paths\[0\]=.*nope.*no such folder"):
+        check(tmp_path, [], [str(tmp_path / "nope")])
+
+
+def test_pipeline_parallel_eval_is_refused(tmp_path: Path, task_dir: Path) -> None:
+    cfg = PipelineConfig()
+    cfg.eval.tasks, cfg.eval.task_paths, cfg.eval.parallel.pp = ["local_mc"], [str(task_dir)], 2
+    with pytest.raises(ConfigError, match=r"eval\.parallel\.pp=2: lm-eval tasks"):
+        preflight_tasks._lm_tasks(cfg, "eval")
+
+
+def test_missing_data_file_names_it(tmp_path: Path, task_dir: Path) -> None:
+    (task_dir / "mc_test.jsonl").unlink()
+    with pytest.raises(
+        ConfigError, match=r"eval\.tasks\[1\]='local_mc': its data file .*mc_test\.jsonl does not"
+    ):
+        check(tmp_path, ["local_gen", "local_mc"])
+
+
+def test_unknown_names_and_uncached_data_through_lm_evals_registry(
+    tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One index of lm-eval's bundled tasks (~25 s) for the three cases that need it."""
+    with pytest.raises(ConfigError, match=r"eval\.tasks\[1\]='local_mcc': unknown lm-eval task.*'local_mc'"):
+        check(tmp_path, ["local_gen", "local_mcc"])
+    with pytest.raises(ConfigError, match=r"eval\.tasks\[0\]='arc_esy': unknown lm-eval task.*'arc_easy'"):
+        check(tmp_path, ["arc_esy"])
+    from datasets import config
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(config, "HF_DATASETS_CACHE", tmp_path / "empty_cache")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty_hub"))
+    with pytest.raises(
+        ConfigError, match=r"eval\.tasks\[0\]='arc_easy': .*allenai/ai2_arc \(ARC-Easy\).*not in the"
+    ):
+        check(tmp_path, ["arc_easy"])
+    (tmp_path / "empty_cache" / "allenai___ai2_arc").mkdir(parents=True)
+    check(tmp_path, ["arc_easy", "local_mc"])  # cached: passes

@@ -1,0 +1,56 @@
+"""Subprocess worker: lm-eval's simple_evaluate on the engine backend (``engine.evaluation.lm.EngineLM``).
+
+SPEC keys: hf_dir, task_dir (an include_path; lm-eval's bundled tasks are not indexed: ~25 s), tasks, num_fewshot, limit, max_length, batch_size, registry (build the
+backend through lm-eval's registry by name, ``llm-pipeline``, instead of from engine objects), out (set by launch).
+Writes {"results": simple_evaluate's results, "resps": {task: [per-doc responses]}} to ``out``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def responses(samples: dict[str, list[dict]]) -> dict[str, list[Any]]:
+    """Per task, each document's raw responses (one per request), in document order."""
+    return {t: [s["resps"] for s in sorted(rows, key=lambda s: s["doc_id"])] for t, rows in samples.items()}
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from engine.evaluation.lm import EngineLM
+    from engine.evaluation.load import load_hf_dir
+    from engine.runtime import distributed as D
+
+    args = {"max_length": spec["max_length"], "batch_size": spec["batch_size"]}
+    if spec.get("registry"):
+        model: Any = "llm-pipeline"
+        model_args = f"pretrained={spec['hf_dir']},max_length={spec['max_length']}"
+    else:
+        chunks, tok, stops, _ = load_hf_dir(spec["hf_dir"], spec["max_length"])
+        model, model_args = EngineLM(chunks, tok, stop_tokens=stops, **args), None
+    try:
+        out = simple_evaluate(
+            model=model,
+            model_args=model_args,
+            tasks=spec["tasks"],
+            num_fewshot=spec.get("num_fewshot"),
+            limit=spec.get("limit"),
+            batch_size=spec["batch_size"],
+            log_samples=True,
+            task_manager=TaskManager(include_path=spec["task_dir"], include_defaults=False),
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+            fewshot_random_seed=0,
+        )
+    finally:
+        D.shutdown()
+    return {"results": out["results"], "resps": responses(out["samples"])}
+
+
+if __name__ == "__main__":
+    from tests.support.engine_worker import serve
+
+    serve(run)
