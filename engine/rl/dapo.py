@@ -48,9 +48,9 @@ def informative_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
     return np.asarray(g.max(axis=1) > g.min(axis=1))
 
 
-def select_groups(pool: list[tuple[dict[str, np.ndarray], np.ndarray]], groups: int, group_size: int) -> tuple[
-    dict[str, np.ndarray], np.ndarray
-]:
+def select_groups(
+    pool: list[tuple[dict[str, np.ndarray], np.ndarray]], groups: int, group_size: int
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The batch of ``groups`` groups from the sampled rounds ``pool`` ((every row's arrays, every row's
     ``Sampled.whole``) per round): the informative groups in sampling order, then the others in order."""
     arrays = {k: np.concatenate([a[k] for a, _ in pool]) for k in pool[0][0]}

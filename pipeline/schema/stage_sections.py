@@ -236,9 +236,17 @@ class RLHFStage(TrainStage):
         choice("reward", self.reward, REWARDS)
         keys = rl.algorithm(self.algorithm).keys
         if rl.algorithm(self.algorithm).scaled_by_beta and self.beta <= 0:
-            fail("beta", self.beta, f"must be > 0 for rlhf.algorithm={self.algorithm} (its loss is scaled by beta)")
+            fail(
+                "beta",
+                self.beta,
+                f"must be > 0 for rlhf.algorithm={self.algorithm} (its loss is scaled by beta)",
+            )
         if "overlong_buffer" in keys and self.overlong_buffer > self.max_new_tokens:
-            fail("overlong_buffer", self.overlong_buffer, f"must be at most max_new_tokens={self.max_new_tokens}")
+            fail(
+                "overlong_buffer",
+                self.overlong_buffer,
+                f"must be at most max_new_tokens={self.max_new_tokens}",
+            )
         if "group_size" not in keys:
             return
         gbs = self.parallel.global_batch_size

@@ -259,7 +259,13 @@ DAPO = (
     "rlhf.sampling_rounds=3",
     "rlhf.overlong_buffer=2",
 )
-GSPO = ("run.stages=[rlhf]", "rlhf.algorithm=gspo", "rlhf.beta=0", "rlhf.clip_low=3e-4", "rlhf.clip_high=4e-4")
+GSPO = (
+    "run.stages=[rlhf]",
+    "rlhf.algorithm=gspo",
+    "rlhf.beta=0",
+    "rlhf.clip_low=3e-4",
+    "rlhf.clip_high=4e-4",
+)
 
 
 @pytest.fixture(scope="module")

@@ -229,7 +229,8 @@ def test_ppo_config_and_a_wrong_algorithm_lists_the_choices() -> None:
     cfg = load_config(["rlhf=ppo"]).rlhf
     assert (cfg.algorithm, cfg.gamma, cfg.lam, cfg.value_clip) == ("ppo", 1.0, 0.95, 0.2)
     with pytest.raises(
-        ConfigError, match=r"rlhf.algorithm='ppx': must be one of \['dpo', 'grpo', 'ppo', 'dr_grpo', 'dapo', 'gspo'\]"
+        ConfigError,
+        match=r"rlhf.algorithm='ppx': must be one of \['dpo', 'grpo', 'ppo', 'dr_grpo', 'dapo', 'gspo'\]",
     ):
         load_config(["rlhf.algorithm=ppx"])
     with pytest.raises(ConfigError, match="rlhf.value_clip=0"):
