@@ -10,6 +10,7 @@ holding the stage's starting weights (init_from), through the same checkpointer 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 from engine.context import MetricsWriter, StageContext
 from pipeline.schema.config import PipelineConfig, TrainStage
 from pipeline.schema.graph import weights_upstream
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.checkpoint.interval import AutoInterval
@@ -227,6 +230,7 @@ def build_stage(
         metrics.write({"kind": "info", "message": line, "truncation": cut.as_dict()})
     callbacks = stage_callbacks(cfg, ctx, st, metrics, D.rank(), D.world_size())
     cleanup.callback(callbacks.close)
+    check_health(cfg, metrics, callbacks)
     flops = flops_per_step(cfg, st, seq_length, tokenizer.vocab_size, step.sequences_per_sample)
     services = LoopServices(
         metrics=metrics,
@@ -252,6 +256,30 @@ def build_stage(
     )
     marks["data"] = time.time()
     return BuiltStage(trainer, ckpt, metrics, weights_loaded, marks, cut)
+
+
+def check_health(cfg: PipelineConfig, metrics: MetricsWriter, callbacks: Any) -> None:
+    """``cluster.health.policy=warn``: the node check on every rank before training; rank 0 writes a ``health``
+    line, and a ``slow_node`` alarm naming each slow or failing node (log, status, sinks)."""
+    if cfg.cluster.health.policy == "off":
+        return
+    from engine.runtime.health import node_check
+
+    report = node_check(cfg.cluster.health)
+    if report is None:
+        return
+    metrics.write(report.as_record())
+    for host, why in report.slow.items():
+        rec = {
+            "kind": "alarm",
+            "alarm": "slow_node",
+            "step": None,
+            "host": host,
+            "message": f"node {host}: {why}",
+        }
+        log.warning("health check: node %s is slow or sick (%s); policy warn: training goes on", host, why)
+        metrics.write(rec)
+        callbacks.emit("on_alarm", 0, rec)
 
 
 def _stage_data(env: StageEnv, sources: Sources | None, unit: UnitFactory | None) -> tuple[Any, Any, Any]:

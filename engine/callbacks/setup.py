@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from engine.callbacks import mlflow, tensorboard, wandb
+from engine.callbacks import mlflow, prometheus, tensorboard, wandb
 from engine.callbacks.alarms import Alarms
 from engine.context import MetricsWriter, StageContext
 from engine.train.callback import Callback, Callbacks, StageInfo
@@ -24,6 +24,7 @@ SINKS: dict[str, SinkFactory] = {
     "tensorboard": tensorboard.sink,
     "wandb": wandb.sink,
     "mlflow": mlflow.sink,
+    "prometheus": prometheus.sink,
 }
 """Sink name -> factory; the keys equal pipeline.schema.stage_sections.SINK_NAMES (tests/engine/train/test_observe.py checks)."""
 
@@ -31,12 +32,19 @@ SINKS: dict[str, SinkFactory] = {
 def stage_callbacks(
     cfg: PipelineConfig, ctx: StageContext, st: TrainStage, metrics: MetricsWriter, rank: int, world: int
 ) -> Callbacks:
-    info = StageInfo(ctx.stage, ctx.out_dir, ctx.run_dir, st.iters, rank, world, dataclasses.asdict(cfg))
+    info = StageInfo(
+        ctx.stage, ctx.out_dir, ctx.run_dir, st.iters, rank, world, dataclasses.asdict(cfg), ctx.attempt
+    )
     if rank != 0:
         return Callbacks([], info)
-    cbs = [SINKS[name](st.monitor, info) for name in st.monitor.sinks]
-    cbs.append(Alarms(st.monitor, metrics.write))
-    return Callbacks(cbs, info)
+    out = Callbacks([SINKS[name](st.monitor, info) for name in st.monitor.sinks], info)
+
+    def alarm(rec: dict[str, Any]) -> None:  # into metrics.jsonl, then to the sinks (a counter of alarms)
+        metrics.write(rec)
+        out.emit("on_alarm", int(rec.get("step") or 0), rec)
+
+    out.callbacks.append(Alarms(st.monitor, alarm))
+    return out
 
 
 def peak_tflops(cfg: PipelineConfig) -> float:

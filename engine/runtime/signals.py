@@ -21,10 +21,9 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from pipeline.records.causes import HANG_EXIT_CODE  # noqa: F401  (exit code of a rank the watchdog found hung)
 from pipeline.slurm.job_env import requeue_self
 
-HANG_EXIT_CODE = 86
-"""Exit code of a rank the watchdog found hung (distinct from crashes and signals)."""
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 
 

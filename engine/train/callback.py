@@ -9,7 +9,8 @@ ones act on rank 0 only):
 - ``on_eval(view)`` after a validation pass (``view.metrics``: the ``valid`` line);
 - ``on_save(view)`` after a checkpoint save (``view.metrics``: the ``checkpoint`` line);
 - ``on_stop(view)`` when a stop request (signal) ends the loop early, after its checkpoint;
-- ``on_train_end(view)`` when ``fit`` returns (``view.metrics``: the summary); ``close()`` always, last.
+- ``on_train_end(view)`` when ``fit`` returns (``view.metrics``: the summary); ``close()`` always, last;
+- ``on_alarm(view)`` when an alarm fires (``view.metrics``: the ``alarm`` line; may come from the stall thread).
 
 Callbacks get a read-only view (``StepView``: step, metrics mapping, stage info), never the trainer.
 metrics.jsonl stays the source of truth; sinks mirror it. ``Callbacks`` runs a list of them and disables
@@ -42,6 +43,8 @@ class StageInfo:
     world_size: int = 1
     config: Mapping[str, Any] = field(default_factory=dict)
     """The resolved pipeline config (plain data) for sinks that record it."""
+    attempt: int = 0
+    """The stage's attempt number on rank 0 (the ledger's count; 1 = first start; 0 elsewhere)."""
 
     @property
     def rank0(self) -> bool:
@@ -79,10 +82,14 @@ class Callback:
 
     def on_train_end(self, view: StepView) -> None: ...
 
+    def on_alarm(self, view: StepView) -> None: ...
+
     def close(self) -> None: ...
 
 
-Hook = Literal["on_train_start", "on_step_end", "on_eval", "on_save", "on_stop", "on_train_end", "close"]
+Hook = Literal[
+    "on_train_start", "on_step_end", "on_eval", "on_save", "on_stop", "on_train_end", "on_alarm", "close"
+]
 """The names of ``Callback``'s methods: ``Callbacks.emit`` calls one by name on every callback."""
 HOOKS: tuple[Hook, ...] = get_args(Hook)
 

@@ -13,10 +13,18 @@ from pipeline.schema.domains import domain_of
 SCHEMA_MODULES = (sections, stage_sections, config)
 """The modules that define config sections (their field docstrings are read from the source)."""
 
+SEE = {
+    "ParallelConfig": "<stage>.parallel",
+    "MonitorConfig": "<train stage>.monitor",
+    "HealthConfig": "cluster.health",
+}
+"""A field whose type is a section of its own: its row points there (no default shown)."""
+
 SECTIONS = (
     ("run", "RunConfig"),
     ("model", "ModelConfig"),
     ("cluster", "ClusterConfig"),
+    ("cluster.health", "HealthConfig"),
     ("data", "DataConfig"),
     ("data.sources[i]", "DataSource"),
     ("data_prep", "DataPrepStage"),
@@ -92,11 +100,8 @@ def render() -> str:
         for name, typ, default, doc in docs[cls]:
             dom = domains.get(name)
             allowed = dom.describe() if dom else ""
-            if typ in ("ParallelConfig",):
-                doc = doc + " See `<stage>.parallel`."
-                default = ""
-            if typ == "MonitorConfig":
-                doc, default = doc + " See `<train stage>.monitor`.", ""
+            if typ in SEE:
+                doc, default = doc + f" See `{SEE[typ]}`.", ""
             typ, default = typ.replace("|", "\\|"), default.replace("|", "\\|")
             lines.append(f"| `{name}` | `{typ}` | `{default}` | {allowed} | {doc.replace('|', '/')} |")
         lines.append("")

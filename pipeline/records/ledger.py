@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.records.causes import Cause
 from pipeline.records.files import atomic_write_text, locked  # noqa: F401  (atomic_write_text re-exported)
 
 # Stage statuses. "completed" is the only one downstream stages may rely on. "stopped": saved and exited on
@@ -35,6 +36,8 @@ PENDING, SUBMITTED, RUNNING, COMPLETED, FAILED, CANCELLED, STOPPED, REQUEUED = (
     "requeued",
 )
 ACTIVE = (SUBMITTED, RUNNING, REQUEUED)
+WEAK_CAUSES = ("unknown", "communication")
+"""Causes a later witness of the same attempt may replace (a collective's error is often another rank's echo)."""
 
 
 @dataclass
@@ -58,6 +61,8 @@ class StageRecord:
     plan: dict[str, Any] = field(default_factory=dict)
     host: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per failed attempt: attempt, cause, rule, detail, time, seen_by (pipeline.records.causes)."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StageRecord:
@@ -108,6 +113,29 @@ class Ledger:
             for k, v in fields.items():
                 setattr(rec, k, v)
             self.write(rec)
+        return rec
+
+    def add_failure(
+        self, stage: str, cause: Cause, seen_by: str, attempt: int | None = None, exit_code: int | None = None
+    ) -> StageRecord:
+        """Record why an attempt failed (default: the newest attempt). One entry per attempt: a later witness
+        replaces an earlier one only when it knows more (the earlier said ``unknown`` or ``communication``,
+        which is often only the echo of another rank's failure)."""
+        with self.lock():
+            rec = self.read(stage) or StageRecord(stage=stage)
+            n = rec.attempts if attempt is None else attempt
+            entry = {"attempt": n, **cause.as_dict(), "time": time.time(), "seen_by": seen_by}
+            if exit_code is not None:
+                entry["exit_code"] = exit_code
+            old = next((f for f in rec.failures if f.get("attempt") == n), None)
+            if old is None:
+                rec.failures.append(entry)
+            elif old.get("cause") in WEAK_CAUSES and cause.name not in WEAK_CAUSES:
+                rec.failures[rec.failures.index(old)] = entry
+            else:
+                return rec
+            self.write(rec)
+        self.event("failure_cause", stage, **{k: v for k, v in entry.items() if k != "time"})
         return rec
 
     def event(self, kind: str, stage: str | None = None, **data: Any) -> None:

@@ -155,6 +155,8 @@ def attempts(events: list[dict[str, Any]], stage: str, now: float) -> list[dict[
             out.append({"start": e["time"], "end": None, "how": "running", "error": None})
         elif e.get("event") in END_EVENTS and out and out[-1]["end"] is None:
             out[-1].update(end=e["time"], how=e["event"], error=e.get("error"))
+        elif e.get("event") == "failure_cause" and out:  # after the end, before the next start
+            out[-1]["cause"] = f"{e.get('cause')}: {e.get('detail')}"
     for a in out:
         if a["end"] is None:
             a["end"] = now
@@ -183,7 +185,7 @@ def timeline(run_dir: Path, events: list[dict[str, Any]], metrics: dict[str, lis
         for a in per[s]:
             color = END_EVENTS.get(a["how"], "#1f77b4")
             tip = f"{s}: {a['how']} after {a['end'] - a['start']:.1f} s" + (
-                f" ({a['error']})" if a["error"] else ""
+                f", cause {a['cause']}" if a.get("cause") else f" ({a['error']})" if a["error"] else ""
             )
             parts.append(
                 f'<rect class="attempt" x="{x(a["start"]):.1f}" y="{y + 3}" width="{max(x(a["end"]) - x(a["start"]), 2):.1f}" '
@@ -244,6 +246,21 @@ def accounting_rows(run_dir: Path, ledger: Ledger) -> list[list[Any]]:
     return rows
 
 
+def failures_table(ledger: Ledger) -> str:
+    """Every failed attempt and its cause (StageRecord.failures, pipeline.records.causes)."""
+    rows = [
+        [s, f.get("attempt"), f.get("cause"), f.get("detail"), f.get("seen_by")]
+        for s in STAGES
+        if (r := ledger.read(s))
+        for f in r.failures
+    ]
+    if not rows:
+        return ""
+    return "<h3>Failed attempts</h3>" + _table(
+        ["stage", "attempt", "cause", "evidence", "seen by"], rows, "failures"
+    )
+
+
 # ---------------------------------------------------------------------------- pages
 
 
@@ -291,6 +308,7 @@ def run_report(run_dir: Path) -> str:
         "<h2>Timeline</h2>"
         + timeline(run_dir, events, metrics)
         + _table(hdr, accounting_rows(run_dir, ledger), "accounting")
+        + failures_table(ledger)
     )
     alarms = [
         [s, a.get("step"), a.get("alarm"), a.get("message")]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.records.alarm_log import format_alarm, read_alarms
+from pipeline.records.causes import Evidence, classify, read_logs
 from pipeline.records.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, Ledger, StageRecord, accounting
 from pipeline.schema.graph import STAGES, upstream
 from pipeline.slurm.queries import job_state
@@ -34,6 +35,8 @@ class StageView:
     stderr: str | None = None
     accounting: str = ""
     alarms: list[str] = field(default_factory=list)
+    causes: list[str] = field(default_factory=list)
+    """One line per failed attempt: its cause and the evidence (pipeline.records.causes)."""
 
 
 def view(rec: StageRecord | None, stage: str) -> StageView:
@@ -42,12 +45,29 @@ def view(rec: StageRecord | None, stage: str) -> StageView:
         return StageView(stage, "not run")
     stderr = rec.extra.get("stderr") if rec.extra else None
     v = StageView(stage, rec.status, rec.error or "", rec.requeues, rec.log, ",".join(rec.job_ids), stderr)
+    v.causes = [format_failure(f) for f in rec.failures]
     if rec.executor != "slurm" or rec.status not in ACTIVE or not rec.job_ids:
         return v
     state, reason, runs = job_state(rec.job_ids[-1])
     v.requeues = max(v.requeues, runs - 1)
     _apply_slurm_state(v, rec, state, reason, runs)
+    if v.state == FAILED and not any(f.get("attempt") == rec.attempts for f in rec.failures):
+        logs = read_logs(Path(rec.log).parent) if rec.log else ""  # the job could not say why: SLURM can
+        v.causes.append(
+            format_failure({"attempt": rec.attempts, "seen_by": "scheduler", **_slurm_cause(state, logs)})
+        )
     return v
+
+
+def _slurm_cause(state: str, logs: str) -> dict[str, str]:
+    return classify(Evidence(slurm_state=state, log=logs)).as_dict()
+
+
+def format_failure(f: dict[str, Any]) -> str:
+    """``attempt 2 failed: hang (exit code 86 (the hang watchdog); seen by watchdog)``."""
+    return (
+        f"attempt {f.get('attempt')} failed: {f.get('cause')} ({f.get('detail')}; seen by {f.get('seen_by')})"
+    )
 
 
 def _apply_slurm_state(v: StageView, rec: StageRecord, state: str, reason: str, runs: int) -> None:
@@ -124,6 +144,7 @@ def format_status(run_dir: Path, views: list[StageView]) -> str:
             lines += [f"{'':<10} log: {v.log}"] + ([f"{'':<10} stderr: {v.stderr}"] if v.stderr else [])
         if v.accounting:
             lines.append(f"{'':<10} {v.accounting}")
+        lines += [f"{'':<10} {c}" for c in v.causes]
         lines += [f"{'':<10} {a}" for a in v.alarms[-5:]]
         if len(v.alarms) > 5:
             lines.append(f"{'':<10} ({len(v.alarms) - 5} earlier alarm(s) in {v.stage}'s metrics.jsonl)")

@@ -186,6 +186,28 @@ class ParallelConfig:
 
 
 @dataclass
+class HealthConfig:
+    """The node health check at the start of each training job (``cluster.health``; engine/runtime/health.py)."""
+
+    policy: str = "off"
+    """off, or warn: every rank times a matmul and an all-reduce across the job's ranks before training (figures per node in metrics.jsonl); a node whose matmul is slower than the other nodes' median by more than slow_factor, or whose check fails, is named by hostname in the log, an alarm (slow_node) and status; training goes on."""
+    slow_factor: float = num(1.5, integer=False, gt=1)
+    """A node is slow when its matmul time exceeds this x the median of the other nodes' (the all-reduce time is reported, not judged: its waiting lands on the ranks that wait)."""
+    min_gap_ms: float = num(1.0, integer=False, ge=0)
+    """A slow node's matmul must also exceed the other nodes' median by more than this many milliseconds (below it: timer and scheduler noise)."""
+    matmul_size: int = num(256, ge=16, le=16384)
+    """Side of the square fp32 matrices each rank multiplies (CPU: torch, GPU: CUDA)."""
+    allreduce_mb: float = num(1.0, integer=False, gt=0, le=1024)
+    """Size of the tensor all-reduced across every rank of the job (gloo on CPU, NCCL on GPU), MiB."""
+    repeats: int = num(3, ge=1, le=100)
+    """Timed repetitions of each; a rank's figure is their median (after one untimed warm-up), a node's its slowest rank's."""
+
+    def __post_init__(self) -> None:
+        check_domains(self)
+        choice("policy", self.policy, ("off", "warn"))
+
+
+@dataclass
 class ClusterConfig:
     """Where jobs run: the submitit executor and the cluster profile (partition, resources, environment)."""
 
@@ -233,6 +255,8 @@ class ClusterConfig:
     """Mean time between failures of one node, hours (anything that stops a job: hardware, driver, network); a stage on n nodes fails every node_mtbf_hours / n hours on average. Needed by <stage>.save_interval=auto; the planner prints the expected goodput per checkpoint interval from it (None: unknown). A cluster's own figure: node-hours run / job-ending node failures (e.g. Llama 3's 419 interruptions in 54 days on 2,048 nodes: about 6,300 h)."""
     peak_tflops: float | None = num(None, integer=False, gt=0)
     """Dense peak TFLOP/s of one rank's device in the training precision, the MFU denominator (None: planner.gpu_peak_tflops with GPUs, else the CPU figure measured by bench/bench_matmul.py)."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """The node health check at job start (cluster.health.policy=warn turns it on)."""
 
     def __post_init__(self) -> None:
         check_domains(self)

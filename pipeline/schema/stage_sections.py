@@ -31,7 +31,7 @@ class DataPrepStage:
         choice("data_prep.launcher", self.launcher, ("files", "mpi"))
 
 
-SINK_NAMES: tuple[str, ...] = ("tensorboard", "wandb", "mlflow")
+SINK_NAMES: tuple[str, ...] = ("tensorboard", "wandb", "mlflow", "prometheus")
 """The logging sinks ``<stage>.monitor.sinks`` may name (engine.callbacks.setup.SINKS: one factory per name)."""
 
 
@@ -40,11 +40,21 @@ class MonitorConfig:
     """What a training stage reports besides metrics.jsonl (sinks, rank 0 only) and when it raises an alarm."""
 
     sinks: list[str] = field(default_factory=lambda: ["tensorboard"])
-    """Where rank 0 mirrors metrics.jsonl, any of tensorboard (<stage dir>/tensorboard), wandb (pip extra ``wandb``), mlflow (pip extra ``mlflow``); e.g. ``pretrain.monitor.sinks=[tensorboard,wandb]``."""
+    """Where rank 0 mirrors metrics.jsonl, any of tensorboard (<stage dir>/tensorboard), wandb (pip extra ``wandb``), mlflow (pip extra ``mlflow``), prometheus (an HTTP endpoint and/or a node_exporter textfile, docs/observability.md); e.g. ``pretrain.monitor.sinks=[tensorboard,wandb]``."""
     wandb_project: str = "llm-pipeline"
     """W&B project; runs are grouped by the run directory's name, one W&B run per stage."""
     mlflow_uri: str | None = None
     """MLflow tracking URI (None: ``sqlite:///<run_dir>/mlflow.db``, artifacts in <run_dir>/mlartifacts); one experiment per run directory, one MLflow run per stage."""
+    prometheus_http: bool = True
+    """prometheus sink: serve the metrics over HTTP on rank 0 (its address in <stage dir>/prometheus.json)."""
+    prometheus_port: int = num(0, ge=0, le=65535)
+    """prometheus sink: the HTTP endpoint's port; 0 = a free port (each attempt may get another: read prometheus.json)."""
+    prometheus_addr: str = "0.0.0.0"
+    """prometheus sink: the address the HTTP endpoint listens on (0.0.0.0: every interface; 127.0.0.1: this host only)."""
+    prometheus_textfile_dir: str | None = None
+    """prometheus sink: also write <dir>/llm_<run>_<stage>.prom at every logged step, for node_exporter's textfile collector (--collector.textfile.directory); None = no textfile."""
+    loss_swing: float = num(0.15, gt=0, lt=1)
+    """prometheus sink: a logged loss more than this fraction above or below the one before counts as a swing (llm_loss_swings_in_a_row; the LLMLossSwinging alert fires at 3)."""
     alarm_loss_spike: float = num(3.0, gt=1, or_zero=True)
     """Alarm when a logged loss exceeds this x the running mean of the previous logged losses; 0 = off."""
     alarm_grad_norm: float = num(1e5, ge=0)
@@ -68,6 +78,8 @@ class MonitorConfig:
             choice("sinks", name, SINK_NAMES)
         if len(set(self.sinks)) != len(self.sinks):
             fail("sinks", self.sinks, "each sink at most once")
+        if not self.prometheus_addr:
+            fail("prometheus_addr", self.prometheus_addr, "must be an address to listen on, e.g. 0.0.0.0")
 
 
 LORA_TARGETS: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")

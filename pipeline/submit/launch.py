@@ -16,10 +16,12 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, MutableMapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.records.alarm_log import forward_alarms
+from pipeline.records.causes import HANG_EXIT_CODE, Evidence, classify, from_exception
 from pipeline.records.ledger import (
     CANCELLED,
     COMPLETED,
@@ -197,6 +199,7 @@ def mark_submitted(
         requeues=0,
         plan=stage_plan(cfg, stage).as_dict(),
         attempts=prev.attempts if prev and prev.hash == hashes[stage] else 0,
+        failures=prev.failures if prev and prev.hash == hashes[stage] else [],
         **fields,
     )
 
@@ -268,7 +271,7 @@ def run_stage(
             cfg,
             Path(run_dir),
             attempt,
-            on_hang=(end_local_job,) if local_group else (),
+            on_hang=(partial(_record_hang, ledger, stage),) + ((end_local_job,) if local_group else ()),
             dist=dist,
             faults=os.environ.get(FAULT_ENV, ""),
         )
@@ -337,11 +340,18 @@ def end_local_job() -> None:
             continue
 
 
+def _record_hang(ledger: Ledger, stage: str) -> None:
+    """A hung rank's watchdog, just before it exits: the attempt's cause is a hang (any rank may write)."""
+    ledger.add_failure(stage, classify(Evidence(exit_code=HANG_EXIT_CODE)), "watchdog")
+
+
 def _mark_started(ledger: Ledger, stage: str, job_id: str, dist: DistEnv) -> int:
     """Rank 0: the ledger says running; the event records the rendezvous and the code this job imports.
     Returns the stage's attempt number (1 = first start)."""
     rec = ledger.read(stage)
     restarts = restart_count()
+    if rec and rec.status == RUNNING and restarts > rec.requeues:  # SLURM restarted it; no rank said why
+        ledger.add_failure(stage, classify(Evidence(requeued_silently=True)), "scheduler")
     attempt = (rec.attempts if rec else 0) + 1
     ledger.update(
         stage,
@@ -374,6 +384,7 @@ def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseExce
     if rec and rec.status == CANCELLED:  # python -m pipeline.cancel: stopping is expected, never requeue
         ledger.event("stopped", stage, error=err, reason="cancelled")
         return
+    ledger.add_failure(stage, classify(from_exception(e)), "job")
     if isinstance(e, Preempted):
         requeued = requeue_self(f"stopped by signal {e}")
         ledger.update(stage, status=REQUEUED if requeued else STOPPED, ended_at=time.time(), error=err)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pipeline.records import progress
+from pipeline.records.causes import Evidence, classify, read_logs
 from pipeline.records.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, STOPPED, Ledger, StageRecord
 from pipeline.schema.config import PipelineConfig
 from pipeline.schema.graph import SPECS, dependencies, order, required
@@ -179,6 +180,8 @@ def _run_one_local(
             ledger.update(
                 stage, status=FAILED, ended_at=time.time(), error=f"{type(e).__name__}: {_last_error(e)}"
             )
+        if rec and rec.status != CANCELLED:  # every rank's log: what rank 0 alone may not have seen
+            ledger.add_failure(stage, classify(Evidence(log=read_logs(job.paths.folder))), "submitter")
         reason = _diagnose(job.paths.folder) or _last_error(e)
         raise RunError(f"stage {stage!r} failed: {reason}\n  log: {log or 'see above'}") from None
     follower.poll(final=True)

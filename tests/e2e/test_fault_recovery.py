@@ -107,6 +107,7 @@ def test_sigkill_at_three_steps_and_mid_checkpoint_write(
         timeout=120,
     )
     assert "attempts 4" in status.stdout and "resumes 3" in status.stdout, status.stdout
+    assert status.stdout.count("failed: unknown") == 3, status.stdout  # a SIGKILL from outside says nothing
     assert f"steps lost {sum(r['steps_lost'] for r in resumes)}" in status.stdout, status.stdout
 
 
@@ -127,6 +128,8 @@ def test_signals_on_two_ranks_save_at_the_same_step_and_lose_nothing(
     assert [r.returncode for r in runs] == [1, 1, 1, 0]
     for r in runs[:3]:
         assert "stopped" in (r.stdout + r.stderr), r.stdout[-1500:] + r.stderr[-1500:]
+    led = Ledger(run_dir(root)).read("pretrain")
+    assert led and [f["cause"] for f in led.failures] == ["preemption"] * 3, led.failures
     resumes = [m for m in metrics(root) if m["kind"] == "resume"]
     assert [(r["from_step"], r["steps_lost"]) for r in resumes] == [(2, 0), (3, 0), (5, 0)]
     stops = [m["message"] for m in metrics(root) if m["kind"] == "info" and "stopped" in m.get("message", "")]
@@ -151,6 +154,7 @@ def test_hung_rank_is_detected_dumped_and_exits_with_hang_code(
     assert f"HangDetected: exiting with code {HANG_EXIT_CODE}" in runs[0].stderr, runs[0].stderr
     led = Ledger(run_dir(root)).read("pretrain")
     assert led and led.status == "completed"
+    assert [(f["attempt"], f["cause"]) for f in led.failures] == [(1, "hang")], led.failures
     assert_identical(final_tensors(root), baseline_dp2)
 
 

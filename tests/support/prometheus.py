@@ -1,0 +1,111 @@
+"""A real Prometheus server for tests (Debian's ``prometheus``), and reading PromQL of the shipped rules."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from pipeline.slurm.job_env import free_port
+from tests.support.env import REPO
+
+RULES_DIR = REPO / "slurm" / "prometheus"
+T = TypeVar("T")
+KEYWORDS = {
+    "by",
+    "without",
+    "and",
+    "or",
+    "unless",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "offset",
+}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: identifiers that are no function, keyword or label."""
+    text = re.sub(r'"[^"]*"', "", expr)
+    text = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", text)
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", text):
+        if text[m.end() :].lstrip().startswith("(") or m.group() in KEYWORDS:
+            continue
+        if m.start() and text[m.start() - 1].isdigit():  # the e of 1e5
+            continue
+        names.add(m.group())
+    return names
+
+
+def exprs_of_dashboard(dash: dict[str, Any]) -> list[str]:
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+
+
+def get_json(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        out: dict[str, Any] = json.loads(r.read())
+    return out
+
+
+def poll(what: str, fn: Callable[[], T | None], timeout: float, every: float = 0.25) -> T:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            got = fn()
+            if got:
+                return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@contextlib.contextmanager
+def prometheus_server(workdir: Path, target: str, rules: str) -> Iterator[str]:
+    """Prometheus on a free local port scraping ``target`` every second with ``rules`` (alerts.yml text)
+    evaluated every second; yields its base URL; stopped (killed if need be) on exit."""
+    workdir.mkdir(parents=True)
+    (workdir / "rules.yml").write_text(rules)
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(workdir / "rules.yml")],
+        "scrape_configs": [{"job_name": "llm", "static_configs": [{"targets": [target]}]}],
+    }
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    cmd = [
+        "prometheus",
+        f"--config.file={workdir / 'prometheus.yml'}",
+        f"--storage.tsdb.path={workdir / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
+    with (workdir / "prometheus.log").open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        poll("Prometheus ready", lambda: _ready(base, proc), timeout=60)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _ready(base: str, proc: subprocess.Popen[bytes]) -> bool:
+    if proc.poll() is not None:
+        raise AssertionError(f"prometheus exited with {proc.returncode}")
+    with urllib.request.urlopen(f"{base}/-/ready", timeout=5) as r:
+        return bool(r.status == 200)
