@@ -120,17 +120,32 @@ class GRPOStep(Step):
         kl = kl_k3(logp, batch["ref_logp"])
         loss = ((pg + self.beta * kl if self.beta else pg) * mask).sum()
         n = mask.sum()
-        count = self.loss_count(mask, n)
-        return (
-            loss,
-            count.to(torch.int),
-            {
-                "loss": _report(loss, count),
-                "kl": _report((kl * mask).sum(), n),
-                "entropy": _report((-logp * mask).sum(), n),
-                "clip_frac": _report((clipped * mask).sum(), n),
-            },
+        return policy_loss_out(
+            loss, self.loss_count(mask, n), logp, kl, mask, _report((clipped * mask).sum(), n)
         )
+
+
+def policy_loss_out(
+    loss: torch.Tensor,
+    count: torch.Tensor,
+    logp: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    clip_frac: torch.Tensor,
+) -> LossOut:
+    """A policy step's loss sum, its count and the reported metrics: ``loss`` over ``count``, per-token means
+    of the k3 ``kl`` and of ``-logp`` over ``mask``, and ``clip_frac`` as the step measures it."""
+    n = mask.sum()
+    return (
+        loss,
+        count.to(torch.int),
+        {
+            "loss": _report(loss, count),
+            "kl": _report((kl * mask).sum(), n),
+            "entropy": _report((-logp * mask).sum(), n),
+            "clip_frac": clip_frac,
+        },
+    )
 
 
 @dataclass(frozen=True)

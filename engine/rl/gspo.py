@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.rl.grpo import GRPOStep, GRPOUnit, online_unit
+from engine.rl.grpo import GRPOStep, GRPOUnit, online_unit, policy_loss_out
 from engine.rl.policy import clipped_ratio_loss, kl_k3
 from engine.rl.registry import Algorithm, RLInputs, register
 from engine.train.steps import Batch, LossOut, _report
@@ -44,17 +44,7 @@ class GSPOStep(GRPOStep):
         kl_row = (kl * mask).sum(dim=1) / length
         loss = ((pg + self.beta * kl_row if self.beta else pg) * rows).sum()
         count = self.loss_count(mask, mask.sum())
-        n = mask.sum()
-        return (
-            loss,
-            count.to(torch.int),
-            {
-                "loss": _report(loss, count),
-                "kl": _report((kl * mask).sum(), n),
-                "entropy": _report((-logp * mask).sum(), n),
-                "clip_frac": _report((clipped * rows).sum(), count),
-            },
-        )
+        return policy_loss_out(loss, count, logp, kl, mask, _report((clipped * rows).sum(), count))
 
 
 def gspo_unit(env: Any, inputs: RLInputs) -> tuple[GRPOUnit, None]:
