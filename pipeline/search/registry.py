@@ -33,7 +33,14 @@ def _random(sc: Any, space: Space) -> Any:
 def _grid(sc: Any, space: Space) -> Any:
     import optuna
 
-    return optuna.samplers.GridSampler(space.grid(), seed=sc.seed)
+    class Grid(optuna.samplers.GridSampler):
+        """GridSampler without its Study.stop() once every point is asked (valid only inside optimize(); the
+        controller stops at search.n_trials itself)."""
+
+        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            return None
+
+    return Grid(space.grid(), seed=sc.seed)
 
 
 def _cmaes(sc: Any, space: Space) -> Any:
