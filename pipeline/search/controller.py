@@ -134,6 +134,8 @@ class Controller:
         tf.ended = ended
         trials.save(self.sweep, tf)
         self.inflight.pop(tf.number, None)
+        studies.write_summary(self.sweep, self.study, self.cfg, self.space)
+        studies.write_best(self.sweep, self.study, self.space)
 
     # ------------------------------------------------------------------ refill
 
@@ -200,6 +202,7 @@ def run(sweep: Path, out: TextIO) -> int:
         if c.finished():
             break
         time.sleep(cfg.search.poll_s)
+    studies.write_summary(sweep, c.study, cfg, space)
     best = studies.write_best(sweep, c.study, space)
     c.say(f"study done: {len(c.study.get_trials(deepcopy=False))} trials; best: {best or 'none completed'}")
     _report(sweep, c)

@@ -106,3 +106,35 @@ def write_best(sweep: Path, study: Any, space: Space) -> Path | None:
     path = sweep / "best.yaml"
     atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def write_summary(sweep: Path, study: Any, cfg: PipelineConfig, space: Space) -> None:
+    """``.search/study.json``: every trial's state, value, best so far, pruning step and slot time, for the
+    sweep's report (pipeline.reporting.search), which reads no Optuna storage."""
+    sign = -1.0 if cfg.search.direction == "maximize" else 1.0
+    rows, best, best_row = [], None, None
+    for t in study.get_trials(deepcopy=False):
+        state = t.state.name.lower()
+        value = t.value if state == "complete" else None
+        if value is not None and (best is None or sign * value < sign * best):
+            best, best_row = value, {"number": t.number, "value": value}
+        rows.append(
+            {
+                "number": t.number,
+                "state": state,
+                "value": value,
+                "best": best if value is not None else None,
+                "pruned_step": (t.user_attrs.get("pruned") or {}).get("step"),
+                "wall_s": t.user_attrs.get("wall_s"),
+                "params": dict(t.params),
+            }
+        )
+    data = {
+        "objective": cfg.search.objective,
+        "direction": cfg.search.direction,
+        "n_trials": cfg.search.n_trials,
+        "keys": list(space.dims),
+        "best": best_row,
+        "trials": rows,
+    }
+    atomic_write_text(search_dir(sweep) / "study.json", json.dumps(data, indent=1))
