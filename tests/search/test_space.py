@@ -111,3 +111,15 @@ def test_bad_search_is_a_config_error_nothing_written(
 def test_search_without_a_searched_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["-m", *BASE, f"run.root={tmp_path / 'r'}"]) == 2
     assert "no searched key" in capsys.readouterr().err
+
+
+def test_search_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pipeline.search.controller, pipeline.search.launch, pipeline.search.manage, "
+        "pipeline.status, pipeline.cancel; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
