@@ -43,6 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     flags = [a for a in overrides if a.startswith("-")]
     if flags:
         return report(ConfigError(f"{flags[0]}: unknown flag; see python -m pipeline --help"))
+    if multirun:
+        from pipeline.search.launch import selected, start
+
+        try:
+            if selected(overrides):
+                return start(overrides, sys.stdout)
+        except ConfigError as e:
+            return report(e)
     try:
         runs = load_trials(overrides, multirun)
     except ConfigError as e:

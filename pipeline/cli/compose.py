@@ -45,8 +45,13 @@ EXIT_CODES: dict[int, str] = {
 COMMANDS: tuple[tuple[str, str], ...] = (
     ("python -m pipeline [key=value ...]", "compose conf/, validate, pre-flight, submit, follow, report"),
     ("python -m pipeline -m key=a,b [...]", "a sweep: every trial validated before the first one runs"),
+    (
+        "python -m pipeline -m search=optuna key='interval(a,b)'",
+        "an Optuna search, controller in the background",
+    ),
     ("python -m pipeline.plan [key=value ...]", "layout, memory, FLOPs and step time per training stage"),
     ("python -m pipeline.status <run_dir>", "each stage's state, job ids, requeues, logs and errors"),
+    ("python -m pipeline.status|cancel <sweep_dir>", "a search: its trials and best so far | stop it all"),
     ("python -m pipeline.status <run_dir> --watch 5", "a live view redrawn in place, with alarms"),
     ("python -m pipeline.report <run_dir|run.root>", "one self-contained HTML report of a run or a sweep"),
     ("python -m pipeline.cancel <run_dir>", "cancel the run's queued and running jobs"),

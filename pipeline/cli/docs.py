@@ -7,10 +7,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from pipeline.schema import config, graph, sections, stage_sections
+from pipeline.schema import config, graph, search, sections, stage_sections
 from pipeline.schema.domains import domain_of
 
-SCHEMA_MODULES = (sections, stage_sections, config)
+SCHEMA_MODULES = (sections, stage_sections, search, config)
 """The modules that define config sections (their field docstrings are read from the source)."""
 
 SEE = {
@@ -36,6 +36,7 @@ SECTIONS = (
     ("eval", "EvalStage"),
     ("export", "ExportStage"),
     ("planner", "PlannerConfig"),
+    ("search", "SearchConfig"),
 )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from pipeline.records.alarm_log import read_alarms
 from pipeline.records.ledger import Ledger, read_metrics
 from pipeline.reporting.moe import moe_charts
+from pipeline.reporting.search import search_section
 from pipeline.reporting.svg import PALETTE, Series, line_chart
 from pipeline.schema.graph import STAGES, TRAIN_STAGES
 
@@ -386,6 +387,7 @@ def sweep_report(sweep_dir: Path) -> str:
     for r in rows:
         keys += [k for k in r if k not in keys]
     out = [
+        search_section(sweep_dir, _table),
         f"<h2>Trials ({len(rows)}), best first</h2>",
         _table(keys, [[r.get(k) for k in keys] for r in rows], "trials"),
     ]

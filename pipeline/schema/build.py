@@ -19,6 +19,7 @@ from pipeline.schema.errors import ConfigError
 from pipeline.schema.layout import check_layout
 from pipeline.schema.moe import check_moe_peft
 from pipeline.schema.origins import GIVEN, Origin, Origins, leaves
+from pipeline.schema.search import SearchConfig
 from pipeline.schema.sections import (
     ClusterConfig,
     DataConfig,
@@ -92,6 +93,7 @@ _DATACLASSES: dict[str, type] = {
         ExportStage,
         RunConfig,
         PlannerConfig,
+        SearchConfig,
         PipelineConfig,
     )
 }

@@ -16,6 +16,7 @@ from typing import Any
 from pipeline.schema import graph
 from pipeline.schema.domains import choice
 from pipeline.schema.graph import STAGES
+from pipeline.schema.search import SearchConfig
 from pipeline.schema.sections import ClusterConfig, DataConfig, ModelConfig, PlannerConfig, RunConfig
 from pipeline.schema.stage_sections import (
     DataPrepStage,
@@ -43,6 +44,7 @@ class PipelineConfig:
     reward_model: RewardModelStage = field(default_factory=lambda: RewardModelStage())
     export: ExportStage = field(default_factory=lambda: ExportStage())
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
 
     def stage(self, name: str) -> DataPrepStage | TrainStage | EvalStage | ExportStage:
         choice("run.stages", name, STAGES)

@@ -20,6 +20,7 @@ IDENTITY_EXCLUDED_SECTIONS: dict[str, str] = {
     "run": "what to run now and where its records go: the name and root name the directory itself, "
     "stages picks a subset (each stage's hash covers its own inputs), dry_run/follow only change the command",
     "cluster": "where and how jobs run (executor, resources, time limits, environment, requeues)",
+    "search": "how a -m sweep picks its trials (pipeline.search); each trial is an ordinary run of its own overrides",
     "planner": "assumptions of the resource planner (python -m pipeline.plan); no job reads them",
 }
 IDENTITY_EXCLUDED_STAGE_KEYS: dict[str, str] = {

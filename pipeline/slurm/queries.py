@@ -62,3 +62,27 @@ def slurm_job_alive(job_id: str) -> bool:
 def cancel_jobs(job_ids: list[str]) -> None:
     if job_ids:
         subprocess.run(["scancel", *job_ids], capture_output=True, timeout=60)
+
+
+def alive_jobs(job_ids: list[str]) -> set[str]:
+    """Which of ``job_ids`` will still run: one ``squeue`` for all of them, and one ``sacct`` for those it no
+    longer lists (a search polls every trial's jobs together, never one query per job)."""
+    ids = sorted({j for j in job_ids if j})
+    if not ids:
+        return set()
+    out = _run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T|%r"]) or ""
+    alive: set[str] = set()
+    for line in out.splitlines():
+        jid, _, rest = line.strip().partition("|")
+        state, _, reason = rest.partition("|")
+        if state in ALIVE_STATES and "DependencyNeverSatisfied" not in reason:
+            alive.add(jid)
+    rest_ids = [j for j in ids if j not in alive and j not in {ln.split("|")[0] for ln in out.splitlines()}]
+    if rest_ids:  # left the queue between two polls, or requeueing: sacct's last row decides
+        acct = _run(["sacct", "-n", "-P", "-D", "-X", "-j", ",".join(rest_ids), "-o", "JobID,State"]) or ""
+        last = {}
+        for line in acct.splitlines():
+            jid, _, state = line.strip().partition("|")
+            last[jid] = state.split()[0] if state else ""
+        alive |= {j for j, s in last.items() if s in ALIVE_STATES and s != "NODE_FAIL"}
+    return alive

@@ -1,0 +1,75 @@
+"""A search on the real local SLURM cluster: each trial's command submits its stage graph and returns, the
+controller asks SLURM about every trial's jobs together; a slot is refilled while a long trial still runs, a
+``kill -9`` of the controller and the same command again end with exactly n_trials, each submitted once; a
+pruned trial's job is cancelled in SLURM and recorded in its ledger."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.records.ledger import Ledger
+from pipeline.search import manage, trials
+from pipeline.search.launch import controller_alive
+from pipeline.search.study import load_study
+from pipeline.slurm.queries import job_state
+from tests.search.test_search_local import BASE, finished, submissions, wait_for
+from tests.support.slurm_helpers import pipeline
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+SLURM = [*BASE, "cluster=slurm", "pretrain.save_interval=60"]
+
+
+def launch(cluster: Any, root: Path, *args: str) -> None:
+    r = pipeline(cluster, "-m", *SLURM, f"run.root={root}", *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_refill_kill_9_and_resume_on_slurm(cluster: Any, tmp_path: Path) -> None:
+    root = tmp_path / "sweep"
+    args = ("pretrain.iters=choice(4,5,60)", "search.n_trials=3", "search.max_concurrent=2")
+    try:
+        launch(cluster, root, *args)
+        wait_for(
+            "trial 1 to start", lambda: (t := trials.load(root, 1)) is not None and t.pid is not None, root
+        )
+        os.kill(json.loads((root / ".search" / "controller.json").read_text())["pid"], signal.SIGKILL)
+        wait_for("the controller to die", lambda: not controller_alive(root), root, timeout=30)
+        launch(cluster, root, *args)
+        wait_for("the study to finish", finished(root, 3), root, timeout=700)
+    finally:
+        if (root / ".search").is_dir():
+            manage.cancel(root)
+    files = {t.number: t for t in trials.load_all(root)}
+    assert [t.ended for t in files.values()] == ["complete"] * 3, (
+        root / ".search" / "controller.log"
+    ).read_text()
+    assert all(submissions(Path(t.run_dir)) == 1 for t in files.values()), "a trial was submitted twice"
+    long = next(t for t in load_study(root).trials if t.params["pretrain.iters"] == 60)
+    long_end = Ledger(Path(files[long.number].run_dir)).read("pretrain")
+    assert long_end is not None and long_end.ended_at is not None and files[2].submitted_at is not None
+    assert files[2].submitted_at < long_end.ended_at, "the third trial waited for the long one"
+
+
+def test_pruned_trial_job_cancelled_on_slurm(cluster: Any, tmp_path: Path) -> None:
+    root = tmp_path / "sweep"
+    # grid order (seed 0): 0.005, then 1e-7, pruned at step 2 against the first (the third point never asked)
+    args = ("pretrain.lr=choice(0.004,1e-7,0.005)", "search.n_trials=2", "search.max_concurrent=1")
+    try:
+        launch(cluster, root, *args, "pretrain.iters=30", "search.pruner=median")
+        wait_for("the study to finish", finished(root, 2), root, timeout=700)
+    finally:
+        if (root / ".search").is_dir():
+            manage.cancel(root)
+    states = {t.params["pretrain.lr"]: t.state.name for t in load_study(root).trials}
+    assert states == {0.005: "COMPLETE", 1e-7: "PRUNED"}, states
+    pruned = next(t for t in trials.load_all(root) if t.ended == "pruned")
+    rec = Ledger(Path(pruned.run_dir)).read("pretrain")
+    assert rec is not None and rec.status == "cancelled" and "pruned by the search" in str(rec.error)
+    wait_for("SLURM to cancel the job", lambda: job_state(rec.job_ids[0])[0] == "CANCELLED", root, timeout=60)
