@@ -47,6 +47,21 @@ and the same data order under any tp/pp/vpp/dp)."""
 IDENTITY_HASHED_WHEN_SET = ("qk_layernorm", "num_experts", "moe_")
 """Model keys (names, or a prefix ending in _) added after runs existed: hashed only when they differ from their
 default, so a dense model's run keeps its directory (num_experts 0 and None are both dense)."""
+IDENTITY_STAGE_HASHED_WHEN_SET = (
+    "clip_low",
+    "clip_high",
+    "sampling_rounds",
+    "overlong_",
+    "tasks",
+    "task_paths",
+    "num_fewshot",
+    "limit",
+    "fewshot_seed",
+    "max_gen_toks",
+    "log_samples",
+)
+"""Stage keys added after runs existed (DAPO/GSPO's rlhf keys, eval's lm-eval keys): hashed only when they
+differ from their default, so the runs made before them keep their directories."""
 # grad_spike_factor stays in the identity: the spike threshold decides which updates are dropped, so it
 # changes the trajectory whenever it is on.
 
@@ -57,7 +72,8 @@ def _digest(obj: Any) -> str:
 
 def stage_own_config(pc: PipelineConfig, name: str) -> dict[str, Any]:
     """The part of the config that decides a stage's result (cluster and resources excluded)."""
-    st = dataclasses.asdict(pc.stage(name))
+    section = pc.stage(name)
+    st = _drop_new_at_default(section, dataclasses.asdict(section), IDENTITY_STAGE_HASHED_WHEN_SET)
     own = {k: v for k, v in st.items() if k not in IDENTITY_EXCLUDED_STAGE_KEYS}
     own["parallel"] = {k: st["parallel"][k] for k in IDENTITY_PARALLEL_KEYS}
     if name == "data_prep":
@@ -67,23 +83,25 @@ def stage_own_config(pc: PipelineConfig, name: str) -> dict[str, Any]:
     return own
 
 
-def hashed_when_set(model_key: str) -> bool:
-    """Whether a model key is in IDENTITY_HASHED_WHEN_SET (hashed only away from its default)."""
-    return any(
-        model_key == k or (k.endswith("_") and model_key.startswith(k)) for k in IDENTITY_HASHED_WHEN_SET
-    )
+def hashed_when_set(key: str, names: tuple[str, ...] = IDENTITY_HASHED_WHEN_SET) -> bool:
+    """Whether ``key`` is one of ``names`` (a name, or a prefix ending in _): hashed only away from its default.
+    ``names``: the model's (IDENTITY_HASHED_WHEN_SET) or the stages' (IDENTITY_STAGE_HASHED_WHEN_SET)."""
+    return any(key == k or (k.endswith("_") and key.startswith(k)) for k in names)
+
+
+def _drop_new_at_default(section: Any, out: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """``out`` (``section`` as a dict) without the keys of ``names`` that are at their defaults."""
+    for f in dataclasses.fields(section):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value = (out[f.name] or None) if f.name == "num_experts" else out[f.name]
+        if hashed_when_set(f.name, names) and value == default:
+            del out[f.name]
+    return out
 
 
 def _model_identity(model: Any) -> dict[str, Any]:
     """The model section as hashed: keys of IDENTITY_HASHED_WHEN_SET left out at their defaults."""
-    out = dataclasses.asdict(model)
-    for f in dataclasses.fields(model):
-        new = hashed_when_set(f.name)
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        value = (out[f.name] or None) if f.name == "num_experts" else out[f.name]
-        if new and value == default:
-            del out[f.name]
-    return out
+    return _drop_new_at_default(model, dataclasses.asdict(model), IDENTITY_HASHED_WHEN_SET)
 
 
 def stage_hashes(pc: PipelineConfig, with_inputs: bool = True) -> dict[str, str]:

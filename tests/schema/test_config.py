@@ -78,7 +78,8 @@ BAD = [
     (["pretrain.warmup_iters=1000"], "pretrain.warmup_iters"),
     (["eval.models=[pretrain,dpo]"], "eval.models"),
     (["pretrain.parallel.vpp=2"], "pretrain.parallel.vpp"),
-    (["rlhf.beta=0"], "rlhf.beta"),
+    (["rlhf.beta=-0.1"], "rlhf.beta"),
+    (["rlhf=dpo", "rlhf.beta=0"], "rlhf.beta"),
     (
         ["cluster.max_nodes=1", "pretrain.parallel.nodes=2", "pretrain.parallel.dp=2"],
         "pretrain.parallel.nodes",

@@ -312,6 +312,13 @@ def test_run_identity_classifies_every_schema_field() -> None:
             else:
                 included.add(f"{stage}.{k}")
     included |= {f"model.{f.name}" for f in dataclasses.fields(pc.model) if identity.hashed_when_set(f.name)}
+    for stage in graph.STAGES:  # stage keys hashed only away from their defaults
+        names = identity.IDENTITY_STAGE_HASHED_WHEN_SET
+        included |= {
+            f"{stage}.{f.name}"
+            for f in dataclasses.fields(pc.stage(stage))
+            if identity.hashed_when_set(f.name, names)
+        }
     unclassified, both = [], []
     for leaf in _leaves("", pc):
         parts = leaf.split(".")
