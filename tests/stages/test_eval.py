@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from tests.support.env import REPO
 from tests.support.prep import run_prep, tiny_config, write_corpus
@@ -50,6 +51,24 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def run_eval_stage(tmp_path: Path, cfg: Any, run: Path, env: dict[str, str] | None = None) -> Any:
+    """SCRIPT on ``cfg`` (written to tmp_path/cfg.json) over the prepared ``run``, in a fresh single-rank
+    process with ``env`` added; asserts it succeeded and returns the completed process."""
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
+    full = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", **(env or {})}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        full.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "cfg.json"), str(run)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
 def test_eval_writes_results_for_each_model(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus"
     write_corpus(corpus)
@@ -59,19 +78,7 @@ def test_eval_writes_results_for_each_model(tmp_path: Path) -> None:
     cfg.eval.max_new_tokens, cfg.eval.threads = 3, 1
     run = tmp_path / "run"
     run_prep(cfg, run / "stages" / "data_prep")
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
-        env.pop(k, None)
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "cfg.json"), str(run)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = run_eval_stage(tmp_path, cfg, run)
     assert "task acc" in proc.stdout  # the comparison table
 
     results = json.loads((run / "stages" / "eval" / "results.json").read_text())

@@ -5,13 +5,9 @@ stage's own scores are what they are without tasks."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.stages.test_eval import SCRIPT
-from tests.support.env import REPO
+from tests.stages.test_eval import run_eval_stage
 from tests.support.lm_tasks import write_tasks
 from tests.support.prep import run_prep, tiny_config, write_corpus
 
@@ -29,20 +25,7 @@ def test_eval_runs_lm_eval_tasks_for_each_model(tmp_path: Path) -> None:
     cfg.eval.limit, cfg.eval.num_fewshot, cfg.eval.fewshot_seed, cfg.eval.log_samples = 3, 1, 7, True
     run = tmp_path / "run"
     run_prep(cfg, run / "stages" / "data_prep")
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    env |= {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
-        env.pop(k, None)
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "cfg.json"), str(run)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = run_eval_stage(tmp_path, cfg, run, {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     out = run / "stages" / "eval"
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["lm_eval"]["tasks"] == ["local_mc", "local_gen"]
