@@ -11,6 +11,7 @@ demo: setup
 	$(PY) -m pipeline
 
 # Everything the tests need (the SLURM cluster's packages, MPI, chromium, tmux), then the whole suite with lint and types.
+# Two pytest workers: much of the suite waits on subprocesses and the SLURM queue; the SLURM tests share one worker.
 test: setup
 	@bash slurm/install.sh
 	@bash scripts/install-test-deps.sh
@@ -20,7 +21,7 @@ test: setup
 	.venv/bin/lint-imports
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q -d .venv/site
 	bash scripts/check_wheel.sh
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy && .venv/bin/lint-imports

@@ -13,6 +13,8 @@ import time as _time
 import uuid as _uuid
 from pathlib import Path as _Path
 
+import pytest as _pytest
+
 from tests.support.slurm_cluster import slurm_cluster  # noqa: F401
 from tests.support.slurm_helpers import cluster  # noqa: F401
 
@@ -22,6 +24,14 @@ SESSION_ENV = "PIPELINE_TEST_SESSION"
 def pytest_configure(config):  # type: ignore[no-untyped-def]
     if not hasattr(config, "workerinput"):  # one marker per session (an xdist worker keeps the master's)
         _os.environ[SESSION_ENV] = _uuid.uuid4().hex
+
+
+def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
+    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`), every test on the SLURM cluster runs on one
+    worker, so the session starts one cluster, as without xdist."""
+    for item in items:
+        if "slurm_cluster" in item.fixturenames:
+            item.add_marker(_pytest.mark.xdist_group("slurm"))
 
 
 def session_processes(marker: str) -> list[tuple[int, str]]:

@@ -203,20 +203,21 @@ def test_kill_with_an_async_save_in_flight_resumes_exactly(
 def test_auto_save_interval_saves_when_it_chose_and_changes_nothing(
     data_root: Path, sync_run: Path, tmp_path: Path
 ) -> None:
-    """save_interval=auto with a node failing every 7.2 s: saves every step or two, at the steps its recorded
-    choices say, and the final weights equal the fixed-interval run's."""
+    """save_interval=auto with a node failing every 7.2 s: the planner's estimate is replaced by measured
+    choices, the saves fall at the steps those recorded choices say (how many depends on this machine's step
+    and save times), and the final weights equal the fixed-interval run's."""
     root = seeded(data_root, tmp_path)
     ok(run(root, "pretrain.save_interval=auto", "cluster.node_mtbf_hours=0.002"))
     chosen = metrics(root, "save_interval")
     assert chosen[0]["source"] == "planner estimate" and chosen[0]["step"] == 1, chosen
     assert all(r["mtbf_h"] == 0.002 and r["nodes"] == 1 for r in chosen)
     measured = {r["step"]: r["interval"] for r in chosen[1:]}
-    assert all(r["source"] == "measured" for r in chosen[1:])
+    assert len(chosen) > 1 and all(r["source"] == "measured" for r in chosen[1:]), chosen
     current, last, expected = chosen[0]["interval"], 0, []
     for s in range(1, 7):
         if s - last >= current or s == 6:
             expected.append(s)
             last, current = s, measured.get(s, current)
     saves = [m["step"] for m in metrics(root, "checkpoint")]
-    assert saves == expected and len(saves) > 2, (saves, chosen)
+    assert saves == expected, (saves, chosen)
     assert_identical(tensors(root), tensors(sync_run))
