@@ -196,11 +196,11 @@ def memory_and_scaling(args: argparse.Namespace, tmp: Path, words: list[str]) ->
     for n, t in ((1, t1), (2, t2)):
         print(f"  {n} rank(s), rank 0: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()))
     serial = {k: t2[k] for k in ("read_s", "tokenizer_s", "merge_s") if k in t2}
-    part = f" (task mix {t2['task_mix_s']:.1f} s of it)" if "task_mix_s" in t2 else ""
+    part = f"; the task mix, split over the ranks: {t2['task_mix_s']:.1f} s" if "task_mix_s" in t2 else ""
     print(
         "  serial (rank 0 alone, the other rank waits): "
         + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in serial.items())
-        + f"{part} = {sum(serial.values()) / two['wall_s']:.0%} of the 2-rank wall time; {load()}"
+        + f" = {sum(serial.values()) / two['wall_s']:.0%} of the 2-rank wall time{part}; {load()}"
     )
 
 

@@ -176,20 +176,34 @@ def task_document_count(n_text: int, fraction: float, at_least: int = 0) -> int:
     return max(at_least, round(n_text * fraction / (1 - fraction)))
 
 
+def task_document(held: tasks.TaskSplit, seed: int, i: int) -> str:
+    """Generated document ``i``: its problems drawn from its own stream, so any rank can make any range."""
+    return tasks.text_document(
+        held.train_problems(TASK_PROBLEMS_PER_DOC, np.random.default_rng([seed, MIX, i]))
+    )
+
+
 def iter_task_documents(
-    held: tasks.TaskSplit, n_text: int, fraction: float, rng: np.random.Generator, at_least: int = 0
+    held: tasks.TaskSplit,
+    n_text: int,
+    fraction: float,
+    seed: int,
+    at_least: int = 0,
+    start: int = 0,
+    stop: int | None = None,
 ) -> Iterator[str]:
-    """:func:`task_documents` one at a time (the same documents: problems are drawn in the same order)."""
-    for _ in range(task_document_count(n_text, fraction, at_least)):
-        yield tasks.text_document(held.train_problems(TASK_PROBLEMS_PER_DOC, rng))
+    """Documents [start, stop) of :func:`task_documents`, one at a time (all of them by default)."""
+    n = task_document_count(n_text, fraction, at_least)
+    for i in range(start, n if stop is None else min(stop, n)):
+        yield task_document(held, seed, i)
 
 
 def task_documents(
-    held: tasks.TaskSplit, n_text: int, fraction: float, rng: np.random.Generator, at_least: int = 0
+    held: tasks.TaskSplit, n_text: int, fraction: float, seed: int, at_least: int = 0
 ) -> list[str]:
     """Plain-text arithmetic documents making up ``fraction`` of the training documents (held-out prompts
-    excluded), at least ``at_least`` of them."""
-    return list(iter_task_documents(held, n_text, fraction, rng, at_least))
+    excluded), at least ``at_least`` of them; document i depends only on ``seed`` and i."""
+    return list(iter_task_documents(held, n_text, fraction, seed, at_least))
 
 
 @dataclass(frozen=True)
@@ -222,11 +236,10 @@ class CorpusPlan:
     def n_train(self) -> int:
         return self.n_text - self.n_valid + self.n_task
 
-    def _tasks(self) -> Iterator[str]:
+    def _tasks(self, start: int = 0, stop: int | None = None) -> Iterator[str]:
         d = self.d
-        return iter_task_documents(
-            self.held, self.n_text - self.n_valid, d.task_mix_fraction, rng(d.seed, MIX)
-        )
+        n_text = self.n_text - self.n_valid
+        return iter_task_documents(self.held, n_text, d.task_mix_fraction, d.seed, start=start, stop=stop)
 
     def train_documents(self) -> Iterator[str]:
         """The training documents: the corpus's in order, then the generated task documents."""
@@ -248,11 +261,9 @@ class CorpusPlan:
                 yield split, doc
             seen[split] += 1
         lo, hi = ranges["train"]
-        for j, doc in enumerate(self._tasks(), start=seen["train"]):
-            if j >= hi:
-                return
-            if j >= lo:
-                yield "train", doc
+        first = seen["train"]  # the task documents follow the corpus's in the train split
+        for doc in self._tasks(max(0, lo - first), max(0, hi - first)):
+            yield "train", doc
 
 
 def plan_corpus(d: DataConfig, scan: Callable[[Callable[[], Any]], Any]) -> CorpusPlan:

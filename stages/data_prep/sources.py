@@ -4,10 +4,10 @@ blend, manifest."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,8 @@ from pipeline.schema.config import PipelineConfig
 from pipeline.schema.data_needs import check_prepared
 from stages import tasks
 from stages.data_prep.chat_files import write_chat_files
-from stages.data_prep.corpus import HELD_OUT, MIX, iter_task_documents, rng, task_document_count
-from stages.data_prep.outputs import write_manifest, write_shard, write_task_files
+from stages.data_prep.corpus import HELD_OUT, iter_task_documents, rng, task_document_count
+from stages.data_prep.outputs import merge_shards, write_manifest, write_shard, write_task_files
 from stages.data_prep.tokenizer import (
     build_tokenizer,
     copy_hf_tokenizer_files,
@@ -56,7 +56,7 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: World) -> dict[str, A
         for doc in ds.sample_documents(units, d.sources, d, int(d.tokenizer_sample_mb * 1e6)):
             n += 1
             yield doc
-        yield from iter_task_documents(held, n, d.task_mix_fraction, rng(d.seed, MIX))
+        yield from iter_task_documents(held, n, d.task_mix_fraction, d.seed)
 
     def tokenizer_json() -> str:
         if d.tokenizer_path is not None:
@@ -77,29 +77,44 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: World) -> dict[str, A
                 shutil.rmtree(stale, ignore_errors=True)
         scratch.mkdir(exist_ok=True)
     world.barrier()
-    error: Exception | None = None
-    resumed = 0
-    try:
+
+    def tokenize_units() -> int:
+        resumed = 0
         for u in units[world.rank :: world.size]:
             if ds.unit_done(scratch, u) is not None:
                 resumed += 1
                 continue
             ds.write_unit(u, d.sources[u.source], d, tokenizer, dtype, scratch)
-    except Exception as e:  # every rank must learn of it, or the others wait at the barrier forever
-        error = e
-    errors = world.allgather(error)
-    for err in errors:
-        if err is not None:
-            raise err
-    resumed = world.sum(resumed)
+        return resumed
+
+    resumed = world.sum(on_every_rank(world, tokenize_units))
     timings["tokenize_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    merged = world.on_root(lambda: _merge_text(cfg, out, scratch, units, fmts, dtype))
+    timings["merge_s"] = time.perf_counter() - t  # rank 0 alone: block copies and dedup
+    t = time.perf_counter()
+    n_task = task_document_count(merged.train_docs, d.task_mix_fraction, at_least=1)
+    if d.task_mix_fraction <= 0:
+        n_task = 0
+    lo, hi = world.shard(n_task)
+    docs = iter_task_documents(held, merged.train_docs, d.task_mix_fraction, d.seed, 1, lo, hi)
+    task_shard = scratch / f"task-{world.rank:05d}"
+    merged.tokens["task"] = world.sum(
+        on_every_rank(world, lambda: write_shard(tokenizer, docs, task_shard, dtype))
+    )
+    timings["task_mix_s"] = time.perf_counter() - t  # every rank generates and tokenizes its range
     if world.rank != 0:
         world.barrier()
         return {"rank": world.rank}
     try:
-        t = time.perf_counter()
-        result = _merge_sources(cfg, out, scratch, units, fmts, held, tokenizer, dtype, tok_json, timings)
-        timings["merge_s"] = time.perf_counter() - t  # all rank 0 writes, task_mix_s included
+        if n_task > 0:
+            shards = [scratch / f"task-{r:05d}" for r in range(world.size)]
+            merge_shards(shards, out / "text_train-task", dtype)
+            merged.text_files.append("text_train-task")
+            merged.blend.append(
+                {"prefix": "text_train-task", "weight": d.task_mix_fraction, "source": "task"}
+            )
+        result = _finish_sources(cfg, out, units, held, tokenizer, dtype, tok_json, merged, n_task)
     finally:
         world.barrier()
     shutil.rmtree(scratch, ignore_errors=True)
@@ -108,59 +123,84 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: World) -> dict[str, A
     return result
 
 
-def _merge_sources(
-    cfg: PipelineConfig,
-    out: Path,
-    scratch: Path,
-    units: list[Any],
-    fmts: list[str],
-    held: tasks.TaskSplit,
-    tokenizer: Tokenizer,
-    dtype: type[np.number],
-    tok_json: str,
-    timings: dict[str, float],
-) -> dict[str, Any]:
+def on_every_rank(world: World, fn: Callable[[], int]) -> int:
+    """``fn()`` on this rank; an error on any rank is raised on every rank (or the others would wait at the
+    next exchange forever)."""
+    value, error = 0, None
+    try:
+        value = fn()
+    except Exception as e:
+        error = e
+    for err in world.allgather(error):
+        if err is not None:
+            raise err
+    return value
+
+
+@dataclass
+class Merged:
+    """The sources' text merged by rank 0 (what every rank learns of it, and what the manifest needs)."""
+
+    train_docs: int
+    per: dict[str, dict[str, Any]]
+    blend: list[dict[str, Any]] = field(default_factory=list)
+    text_files: list[str] = field(default_factory=list)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+
+def _merge_text(
+    cfg: PipelineConfig, out: Path, scratch: Path, units: list[Any], fmts: list[str], dtype: type[np.number]
+) -> Merged:
+    """The units' shards merged into one training prefix per source and the valid/test splits (dedup across
+    all of them, in source order), and the blend of the sources."""
     from engine.data import sources as ds
 
     d = cfg.data
     names = [ds.source_name(s, i) for i, s in enumerate(d.sources)]
-    per = _source_counts(scratch, units, names)
+    m = Merged(0, _source_counts(scratch, units, names))
     seen = ds.SeenHashes() if d.dedup else None
-    blend: list[dict[str, Any]] = []
-    text_files: list[str] = []
-    tokens: dict[str, int] = {}
     text_weight = 1.0 - (d.task_mix_fraction if d.task_mix_fraction > 0 else 0.0)
     total_w = sum(s.weight for s in d.sources)
-    train_docs = 0
     for i, (src, fmt) in enumerate(zip(d.sources, fmts)):
         w = text_weight * src.weight / total_w
         if FORMATS[fmt].tokenized:  # joins the blend as it is
-            blend.append({"prefix": str(Path(src.path).resolve()), "weight": w, "source": names[i]})
+            m.blend.append({"prefix": str(Path(src.path).resolve()), "weight": w, "source": names[i]})
             n, toks = prefix_tokens(src.path)
-            per[names[i]].update(documents=n, tokens_train=toks)
+            m.per[names[i]].update(documents=n, tokens_train=toks)
             continue
         prefix = f"text_train-{names[i]}"
         n, toks, dups = ds.merge_units(
             scratch, [u for u in units if u.source == i], "train", out / prefix, dtype, seen
         )
-        per[names[i]]["tokens_train"] = toks
+        m.per[names[i]]["tokens_train"] = toks
         for j, k in dups.items():
-            per[names[j]]["duplicates"] += k
-        train_docs += n
-        text_files.append(prefix)
-        blend.append({"prefix": prefix, "weight": w, "source": names[i]})
+            m.per[names[j]]["duplicates"] += k
+        m.train_docs += n
+        m.text_files.append(prefix)
+        m.blend.append({"prefix": prefix, "weight": w, "source": names[i]})
     for split in ("valid", "test"):
         n, toks, dups = ds.merge_units(scratch, units, split, out / f"text_{split}", dtype, seen)
-        tokens[split] = toks
-        text_files.append(f"text_{split}")
+        m.tokens[split] = toks
+        m.text_files.append(f"text_{split}")
         for j, k in dups.items():
-            per[names[j]]["duplicates"] += k
-    t = time.perf_counter()
-    task_docs = _task_mix(cfg, out, held, train_docs, tokenizer, dtype, tokens)
-    timings["task_mix_s"] = time.perf_counter() - t  # generated and tokenized on rank 0 alone
-    if task_docs > 0:
-        text_files.append("text_train-task")
-        blend.append({"prefix": "text_train-task", "weight": 1.0 - text_weight, "source": "task"})
+            m.per[names[j]]["duplicates"] += k
+    return m
+
+
+def _finish_sources(
+    cfg: PipelineConfig,
+    out: Path,
+    units: list[Any],
+    held: tasks.TaskSplit,
+    tokenizer: Tokenizer,
+    dtype: type[np.number],
+    tok_json: str,
+    m: Merged,
+    task_docs: int,
+) -> dict[str, Any]:
+    """Rank 0: the task files, tokenizer, chat files, the checks of what remains after cleaning, the manifest."""
+    d = cfg.data
+    per = m.per
     _report_malformed(per)
     counts = write_task_files(out, d, held)
     _atomic_write(out / "tokenizer.json", tok_json)
@@ -168,23 +208,23 @@ def _merge_sources(
     counts.update(write_chat_files(out, d, tokenizer))
     text_tokens = sum(int(c.get("tokens_train", 0)) for c in per.values())
     counts.update(
-        documents_train=train_docs + task_docs,
+        documents_train=m.train_docs + task_docs,
         documents_task=task_docs,
-        tokens_train=text_tokens + tokens.get("task", 0),
+        tokens_train=text_tokens + m.tokens.get("task", 0),
         tokens_train_text=text_tokens,
-        tokens_valid=tokens["valid"],
-        tokens_test=tokens["test"],
+        tokens_valid=m.tokens["valid"],
+        tokens_test=m.tokens["test"],
     )
     check_prepared(cfg, counts, per)  # what remains after cleaning, before the manifest
-    extra = {"blend": blend, "sources": per}
+    extra = {"blend": m.blend, "sources": per}
     files = [str(u.path) for u in units]
-    manifest = write_manifest(out, d, tokenizer, dtype, counts, sorted(set(files)), text_files, extra)
+    manifest = write_manifest(out, d, tokenizer, dtype, counts, sorted(set(files)), m.text_files, extra)
     return {
         "data_dir": str(out),
         "vocab_size": tokenizer.vocab_size,
         "counts": manifest["counts"],
         "sources": per,
-        "blend": blend,
+        "blend": m.blend,
     }
 
 
@@ -203,29 +243,6 @@ def _check_token_sources(cfg: PipelineConfig, fmts: list[str]) -> None:
             problem = check_prefix(src, f"data.sources[{i}]", cfg.data.tokenizer_path)
             if problem:
                 raise ValueError(problem)
-
-
-def _task_mix(
-    cfg: PipelineConfig,
-    out: Path,
-    held: tasks.TaskSplit,
-    train_docs: int,
-    tokenizer: Tokenizer,
-    dtype: type[np.number],
-    tokens: dict[str, int],
-) -> int:
-    """The generated task's own dataset in the blend (text_train-task), weighted task_mix_fraction; at least
-    one document, generated as they are tokenized. Returns their number; the tokens go into ``tokens["task"]``."""
-    d = cfg.data
-    if d.task_mix_fraction <= 0:
-        return 0
-    n = task_document_count(train_docs, d.task_mix_fraction, at_least=1)
-    task_docs = iter_task_documents(held, train_docs, d.task_mix_fraction, rng(d.seed, MIX), at_least=1)
-    tmp = out / ".text_train-task.tmp"
-    tokens["task"] = write_shard(tokenizer, task_docs, tmp, dtype)
-    for ext in (".bin", ".idx"):
-        os.replace(f"{tmp}{ext}", out / f"text_train-task{ext}")
-    return n
 
 
 def _source_counts(scratch: Path, units: list[Any], names: list[str]) -> dict[str, dict[str, Any]]:

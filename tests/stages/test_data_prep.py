@@ -14,6 +14,7 @@ import pytest
 from engine.data.datasets import SPECIAL_TOKENS, load_tokenizer, read_manifest
 from pipeline.schema.config import PipelineConfig
 from stages import data_prep, tasks
+from stages.data_prep.corpus import iter_task_documents
 from tests.support.env import REPO
 from tests.support.prep import OUTPUTS, run_prep, tiny_config, write_corpus
 
@@ -37,7 +38,7 @@ def expected_documents(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     docs, _ = data_prep.read_corpus(d)
     train, valid = data_prep.split_documents(docs, d.valid_fraction, d.seed)
     held = tasks.make_split(d.num_eval_examples, d.max_operand, np.random.default_rng([d.seed, 1]))
-    mix = data_prep.task_documents(held, len(train), d.task_mix_fraction, np.random.default_rng([d.seed, 4]))
+    mix = data_prep.task_documents(held, len(train), d.task_mix_fraction, d.seed)
     return train + mix, valid
 
 
@@ -156,6 +157,16 @@ def test_generated_sets_hold_out_eval_prompts(prepared: tuple[PipelineConfig, Pa
     assert mixed and not held & mixed
     for r in load("sft_train.jsonl"):
         assert tasks.is_correct(r["response"], tasks.parse_prompt(r["prompt"]).value)
+
+
+def test_any_range_of_the_task_documents_is_the_same_slice_of_all() -> None:
+    """Document i of the task mix depends on the seed and i alone, so ranks make their ranges in parallel."""
+    held = tasks.make_split(20, 99, np.random.default_rng([0, 1]))
+    every = data_prep.task_documents(held, 90, 0.1, seed=7)
+    assert len(every) == 10 and len(set(every)) == 10
+    cut = [list(iter_task_documents(held, 90, 0.1, 7, 0, lo, hi)) for lo, hi in ((0, 3), (3, 7), (7, 99))]
+    assert sum(cut, []) == every
+    assert data_prep.task_documents(held, 90, 0.1, seed=8) != every
 
 
 def test_max_corpus_mb_caps_the_text(corpus: Path, tmp_path: Path) -> None:
