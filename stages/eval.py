@@ -139,13 +139,16 @@ def _eval_models(
     results: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     manager = _task_manager(cfg)
+    run_chat = _chat(cfg, tok, None)
     for stage in cfg.eval.models:
         stops = list(sets.get("stop_tokens") or [tok.eod])
+        chat = run_chat
         if stage.startswith("hf:"):  # a Hugging Face directory, scored as it is (e.g. the base model)
             from engine.evaluation.load import hf_stop_tokens
 
             hf_dir = parse_ref(stage) or Path(stage)
             stops += hf_stop_tokens(hf_dir)
+            chat = _chat(cfg, tok, hf_dir)
             results[stage] = {
                 "checkpoint": stage[3:],
                 "iteration": None,
@@ -165,8 +168,21 @@ def _eval_models(
                 **evaluate(chunks[0], tok, sets, cfg),
             }
         if manager is not None:
-            results[stage]["lm_eval"] = _lm_eval(cfg, ctx, chunks, tok, stops, stage, manager)
+            results[stage]["lm_eval"] = _lm_eval(cfg, ctx, chunks, tok, stops, stage, manager, chat)
     return results, skipped
+
+
+def _chat(cfg: PipelineConfig, tok: Any, hf_dir: Path | None) -> Any:
+    """The chat template lm-eval's prompts get under eval.apply_chat_template (None without it): the run's
+    (data.chat_template) for its stages, a hf:<dir> model's own (None when it has none: the pre-flight refuses)."""
+    if not (cfg.eval.tasks and cfg.eval.apply_chat_template):
+        return None
+    from engine.data.chat import run_template
+    from engine.evaluation.load import dir_template
+
+    if hf_dir is not None:
+        return dir_template(hf_dir, tok)
+    return run_template(cfg.data.chat_template, cfg.data.tokenizer_path, tok)
 
 
 def _lm_run(cfg: PipelineConfig) -> Any:
@@ -180,6 +196,8 @@ def _lm_run(cfg: PipelineConfig) -> Any:
         limit=ev.limit,
         fewshot_seed=ev.fewshot_seed,
         log_samples=ev.log_samples,
+        apply_chat_template=ev.apply_chat_template,
+        fewshot_as_multiturn=ev.fewshot_as_multiturn,
     )
 
 
@@ -192,6 +210,7 @@ def _lm_settings(cfg: PipelineConfig) -> dict[str, Any]:
         "limit": ev.limit,
         "fewshot_seed": ev.fewshot_seed,
         "max_gen_toks": ev.max_gen_toks,
+        "apply_chat_template": ev.apply_chat_template,
     }
 
 
@@ -212,8 +231,10 @@ def _lm_eval(
     stops: list[int],
     stage: str,
     manager: Any,
+    chat: Any,
 ) -> dict[str, Any]:
-    """``eval.tasks`` on the weights now in ``chunks`` through the engine's lm-eval backend (one section per task)."""
+    """``eval.tasks`` on the weights now in ``chunks`` through the engine's lm-eval backend (one section per task);
+    ``chat``: the model's chat template (used with eval.apply_chat_template)."""
     from engine.evaluation.lm import EngineLM
     from engine.evaluation.tasks import run_tasks
 
@@ -224,6 +245,7 @@ def _lm_eval(
         batch_size=cfg.eval.batch_size,
         max_gen_toks=cfg.eval.max_gen_toks,
         stop_tokens=stops,
+        chat=chat,
     )
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", stage)  # an hf:<dir> model gets a file-safe folder name
     return run_tasks(lm, _lm_run(cfg), manager, Path(ctx.out_dir) / SAMPLES / name)

@@ -99,6 +99,7 @@ class ChatTemplate:
         )
         env.globals["raise_exception"] = raise_exception
         self.template = env.from_string(source)
+        self.source = source
         self.eos_token, self.bos_token = eos_token, bos_token
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:

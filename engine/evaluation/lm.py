@@ -10,6 +10,8 @@
   whether each is the argmax, as lm-eval's ``hf`` backend computes them;
 - ``loglikelihood_rolling``: lm-eval's disjoint rolling windows of ``max_length`` tokens (prefix token first),
   scored as above and summed per document;
+- ``apply_chat_template``: with lm-eval's ``apply_chat_template``, every prompt rendered with the model's chat
+  template (``chat``: an engine.data.chat.ChatTemplate; from a directory, its own);
 - ``generate_until``: greedy (or sampled, when a task asks) generation with the engine's KV cache
   (``engine.models.generate``) up to ``max_gen_toks`` or a stop token (the tokenizer's eos and ``stop_tokens``),
   decoded without special tokens and cut at the first of the task's ``until`` strings.
@@ -54,6 +56,7 @@ class EngineLM(TemplateLM):
         batch_size: int | str = 8,
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
         stop_tokens: Sequence[int] = (),
+        chat: Any = None,
         pretrained: str | None = None,
         **_lm_eval_extras: Any,
     ) -> None:
@@ -61,9 +64,10 @@ class EngineLM(TemplateLM):
         if chunks is None or tok is None:  # through lm-eval's registry: ``pretrained=<hf dir>`` (one rank)
             if not pretrained:
                 raise ValueError("llm-pipeline: give model_args pretrained=<Hugging Face directory>")
-            from engine.evaluation.load import load_hf_dir
+            from engine.evaluation.load import dir_template, load_hf_dir
 
             chunks, tok, stop_tokens, max_length = load_hf_dir(pretrained, max_length)
+            chat = dir_template(pretrained, tok)
         if len(chunks) != 1 or D.pp_size() > 1:
             raise ValueError(
                 "llm-pipeline: pipeline parallelism is not supported for lm-eval tasks; use pp=1"
@@ -76,6 +80,7 @@ class EngineLM(TemplateLM):
         self._batch_size = int(batch_size) if str(batch_size).isdigit() else 8  # "auto": a fixed batch
         self._max_gen_toks = int(max_gen_toks)
         self.stop_tokens = tuple(dict.fromkeys([tok.eod, *stop_tokens]))
+        self.chat = chat
 
     # ------------------------------------------------------------------------ what lm-eval asks of a model
 
@@ -98,6 +103,16 @@ class EngineLM(TemplateLM):
     @property
     def tokenizer_name(self) -> str:
         return str(self.tok.source)
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The template's source (lm-eval records and hashes it), None without one."""
+        return self.chat.source if self.chat is not None and chat_template is not False else None
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """A task's prompt (few-shot turns included) rendered with the model's chat template."""
+        return render_chat(self.chat, chat_history, add_generation_prompt)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         """The tokenizer's own post-processing (e.g. a bos it adds) unless asked not to, as transformers' default;
@@ -198,6 +213,16 @@ class EngineLM(TemplateLM):
         )
         got = generate(self.chunks, prompts, params, vocab_size=self.tok.vocab_size, pad_id=self.tok.pad)
         return [self.tok_decode(ids) for ids in got.tokens]
+
+
+def render_chat(chat: Any, history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """``history`` rendered with ``chat`` (an engine.data.chat.ChatTemplate); a clear error without one."""
+    if chat is None:
+        raise ValueError(
+            "llm-pipeline: apply_chat_template asked of a model without a chat template (add "
+            "chat_template.jinja to its directory, or run without --apply_chat_template)"
+        )
+    return str(chat.render(history, add_generation_prompt=add_generation_prompt))
 
 
 def score_rows(

@@ -17,6 +17,24 @@ def hf_stop_tokens(hf_dir: Path) -> list[int]:
     return [int(x) for x in (eos if isinstance(eos, list) else [eos])]
 
 
+def has_chat_template(hf_dir: str | Path) -> bool:
+    """Whether ``hf_dir`` carries a chat template (chat_template.jinja, or tokenizer_config.json's)."""
+    from engine.data.chat import load_template
+
+    try:
+        load_template("tokenizer", str(hf_dir))
+    except (ValueError, OSError):
+        return False
+    return True
+
+
+def dir_template(hf_dir: str | Path, tok: Any) -> Any:
+    """``hf_dir``'s own chat template (an engine.data.chat.ChatTemplate) with ``tok``'s eos/bos, or None."""
+    from engine.data.chat import run_template
+
+    return run_template("tokenizer", str(hf_dir), tok) if has_chat_template(hf_dir) else None
+
+
 def load_hf_dir(hf_dir: str | Path, max_length: int | None = None) -> tuple[list[Any], Any, list[int], int]:
     """(model chunks, tokenizer, stop tokens, max_length) for ``hf_dir`` on one rank (starts the engine's process
     group when none is up). ``max_length``: default config.json's positions (at most 4096)."""

@@ -25,6 +25,9 @@ class TaskRun:
     """Documents per task (None: all)."""
     fewshot_seed: int = 1234
     log_samples: bool = False
+    apply_chat_template: bool = False
+    """Prompts rendered with the model's chat template (the backend's ``apply_chat_template``)."""
+    fewshot_as_multiturn: bool = True
 
 
 def task_manager(task_paths: list[str], tasks: list[str] | None = None) -> Any:
@@ -61,6 +64,8 @@ def run_tasks(lm: Any, run: TaskRun, manager: Any, samples_dir: Path | None = No
         log_samples=run.log_samples,
         task_manager=manager,
         fewshot_random_seed=run.fewshot_seed,
+        apply_chat_template=run.apply_chat_template,
+        fewshot_as_multiturn=run.fewshot_as_multiturn and run.apply_chat_template,
     )
     if out is None:  # only on ranks other than lm's rank 0; every rank here is lm-eval's rank 0
         return {}
@@ -71,7 +76,7 @@ def run_tasks(lm: Any, run: TaskRun, manager: Any, samples_dir: Path | None = No
 
 def summarize(out: dict[str, Any], run: TaskRun) -> dict[str, Any]:
     """Per task (and group) of lm-eval's results: ``{"metrics": {name: {"value", "stderr"}}, "version",
-    "config_hash", "num_fewshot", "fewshot_seed", "samples"}``; a metric under a filter other than ``none`` is
+    "config_hash", "num_fewshot", "fewshot_seed", "chat_template", "samples"}``; a metric under a filter other than ``none`` is
     named ``<metric>,<filter>``; stderr is None where lm-eval gives none."""
     sections: dict[str, Any] = {}
     for task, res in out["results"].items():
@@ -93,6 +98,7 @@ def summarize(out: dict[str, Any], run: TaskRun) -> dict[str, Any]:
             "config_hash": config_hash(config) if config is not None else None,
             "num_fewshot": out.get("n-shot", {}).get(task, run.num_fewshot),
             "fewshot_seed": run.fewshot_seed,
+            "chat_template": run.apply_chat_template,
             "samples": n.get("effective"),
         }
     return sections

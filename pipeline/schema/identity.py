@@ -59,6 +59,8 @@ IDENTITY_STAGE_HASHED_WHEN_SET = (
     "fewshot_seed",
     "max_gen_toks",
     "log_samples",
+    "apply_chat_template",
+    "fewshot_as_multiturn",
 )
 """Stage keys added after runs existed (DAPO/GSPO's rlhf keys, eval's lm-eval keys): hashed only when they
 differ from their default, so the runs made before them keep their directories."""

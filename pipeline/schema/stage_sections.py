@@ -305,6 +305,11 @@ class EvalStage:
     """New tokens of a generate-until request when its task does not say (lm-eval's default, 256)."""
     log_samples: bool = False
     """Write lm-eval's per-document samples to <eval stage dir>/lm_eval_samples/<model>/<task>.jsonl."""
+    apply_chat_template: bool = False
+    """Render every lm-eval prompt with the model's chat template (lm-eval's --apply_chat_template): the run's
+    data.chat_template for the run's stages, a hf:<dir> model's own (refused before any job when it has none)."""
+    fewshot_as_multiturn: bool = True
+    """With apply_chat_template: few-shot examples as alternating user/assistant turns (lm-eval's default)."""
 
     def __post_init__(self) -> None:
         check_domains(self)

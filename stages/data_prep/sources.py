@@ -50,20 +50,7 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: World) -> dict[str, A
     if world.rank == 0:
         _check_token_sources(cfg, fmts)
     held = tasks.make_split(d.num_eval_examples, d.max_operand, rng(d.seed, HELD_OUT), d.task)
-
-    def training_text() -> Iterator[str]:  # streamed to the trainer, never held
-        n = 0
-        for doc in ds.sample_documents(units, d.sources, d, int(d.tokenizer_sample_mb * 1e6)):
-            n += 1
-            yield doc
-        yield from iter_task_documents(held, n, d.task_mix_fraction, d.seed)
-
-    def tokenizer_json() -> str:
-        if d.tokenizer_path is not None:
-            return tokenizer_text(d, [])
-        return str(build_tokenizer(d, training_text()).to_str())
-
-    tok_json = world.on_root(tokenizer_json)
+    tok_json = world.on_root(lambda: _tokenizer_json(cfg, units, held))
     tokenizer = tokenizer_from_str(tok_json, d)
     dtype = token_dtype(tokenizer.vocab_size)
     timings["tokenizer_s"] = time.perf_counter() - t
@@ -121,6 +108,25 @@ def prepare_sources(cfg: PipelineConfig, out: Path, world: World) -> dict[str, A
     result.update(ranks=world.size, units=len(units), units_resumed=resumed)
     result["timings"] = {k: round(v, 3) for k, v in timings.items()}
     return result
+
+
+def _tokenizer_json(cfg: PipelineConfig, units: list[Any], held: tasks.TaskSplit) -> str:
+    """data.tokenizer_path's tokenizer, or a BPE trained on the sources' first tokenizer_sample_mb of clean
+    documents plus their share of task documents (streamed to the trainer, never held)."""
+    from engine.data import sources as ds
+
+    d = cfg.data
+    if d.tokenizer_path is not None:
+        return tokenizer_text(d, [])
+
+    def training_text() -> Iterator[str]:
+        n = 0
+        for doc in ds.sample_documents(units, d.sources, d, int(d.tokenizer_sample_mb * 1e6)):
+            n += 1
+            yield doc
+        yield from iter_task_documents(held, n, d.task_mix_fraction, d.seed)
+
+    return str(build_tokenizer(d, training_text()).to_str())
 
 
 def on_every_rank(world: World, fn: Callable[[], int]) -> int:

@@ -69,3 +69,22 @@ def test_unknown_names_and_uncached_data_through_lm_evals_registry(
         check(tmp_path, ["arc_easy"])
     (tmp_path / "empty_cache" / "allenai___ai2_arc").mkdir(parents=True)
     check(tmp_path, ["arc_easy", "local_mc"])  # cached: passes
+
+
+def test_a_chat_templated_run_refuses_a_hf_model_without_a_template(tmp_path: Path, task_dir: Path) -> None:
+    base, chat = tmp_path / "base", tmp_path / "chat"
+    for d in (base, chat):
+        d.mkdir()
+        (d / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    (chat / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    cfg = PipelineConfig()
+    cfg.eval.tasks, cfg.eval.task_paths = ["local_mc"], [str(task_dir)]
+    cfg.eval.models = ["sft", f"hf:{chat}", f"hf:{base}"]
+    preflight_tasks._lm_tasks(cfg, "eval")  # without apply_chat_template a model needs none
+    cfg.eval.apply_chat_template = True
+    with pytest.raises(
+        ConfigError, match=r"eval\.models\[2\]=.*base.*has no chat template.*apply_chat_template=false"
+    ):
+        preflight_tasks._lm_tasks(cfg, "eval")
+    cfg.eval.models = ["sft", f"hf:{chat}"]
+    preflight_tasks._lm_tasks(cfg, "eval")

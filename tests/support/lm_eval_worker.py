@@ -1,12 +1,15 @@
 """Subprocess worker: lm-eval's simple_evaluate on the engine backend (``engine.evaluation.lm.EngineLM``).
 
-SPEC keys: hf_dir, task_dir (an include_path; lm-eval's bundled tasks are not indexed: ~25 s), tasks, num_fewshot, limit, max_length, batch_size, registry (build the
-backend through lm-eval's registry by name, ``llm-pipeline``, instead of from engine objects), out (set by launch).
+SPEC keys: hf_dir, task_dir (an include_path; lm-eval's bundled tasks are not indexed: ~25 s), tasks, num_fewshot,
+limit, max_length, batch_size, registry (build the backend through lm-eval's registry by name, ``llm-pipeline``,
+instead of from engine objects), chat (lm-eval's apply_chat_template, with the directory's own template), out (set
+by launch).
 Writes {"results": simple_evaluate's results, "resps": {task: [per-doc responses]}} to ``out``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -20,7 +23,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from lm_eval.tasks import TaskManager
 
     from engine.evaluation.lm import EngineLM
-    from engine.evaluation.load import load_hf_dir
+    from engine.evaluation.load import dir_template, load_hf_dir
     from engine.runtime import distributed as D
 
     args = {"max_length": spec["max_length"], "batch_size": spec["batch_size"]}
@@ -29,7 +32,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         model_args = f"pretrained={spec['hf_dir']},max_length={spec['max_length']}"
     else:
         chunks, tok, stops, _ = load_hf_dir(spec["hf_dir"], spec["max_length"])
-        model, model_args = EngineLM(chunks, tok, stop_tokens=stops, **args), None
+        chat = dir_template(spec["hf_dir"], tok)
+        model, model_args = EngineLM(chunks, tok, stop_tokens=stops, chat=chat, **args), None
     try:
         out = simple_evaluate(
             model=model,
@@ -44,10 +48,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             numpy_random_seed=0,
             torch_random_seed=0,
             fewshot_random_seed=0,
+            apply_chat_template=bool(spec.get("chat")),
+            fewshot_as_multiturn=bool(spec.get("chat")),
         )
     finally:
         D.shutdown()
-    return {"results": out["results"], "resps": responses(out["samples"])}
+    prompts = {
+        t: [json.dumps(s["arguments"], default=str) for s in rows] for t, rows in out["samples"].items()
+    }
+    return {"results": out["results"], "resps": responses(out["samples"]), "prompts": prompts}
 
 
 if __name__ == "__main__":

@@ -25,9 +25,29 @@ def _lm_tasks(cfg: PipelineConfig, stage: str) -> None:
             ev.parallel.pp,
             "lm-eval tasks (eval.tasks) run with pp=1 (tensor parallel is fine)",
         )
+    if ev.apply_chat_template:
+        _chat_templates(cfg)
     from engine.evaluation.checks import task_problems
 
     problems = task_problems(list(ev.tasks), list(ev.task_paths))
     if problems:
         key, value, why = problems[0]
         fail(key, value, why + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+def _chat_templates(cfg: PipelineConfig) -> None:
+    """eval.apply_chat_template: every hf:<dir> model of eval.models has its own chat template (the run's
+    stages use data.chat_template, which always has one)."""
+    from engine.evaluation.load import has_chat_template
+    from pipeline.schema.hf_arch import parse_ref
+
+    for i, m in enumerate(cfg.eval.models):
+        hf_dir = parse_ref(m) if m.startswith("hf:") else None
+        if hf_dir is not None and not has_chat_template(hf_dir):
+            fail(
+                f"eval.models[{i}]",
+                m,
+                f"{hf_dir} has no chat template (chat_template.jinja or tokenizer_config.json's chat_template) "
+                "and eval.apply_chat_template=true: add one to that directory, leave the model out of "
+                "eval.models or set eval.apply_chat_template=false",
+            )

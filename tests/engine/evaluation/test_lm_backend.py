@@ -1,7 +1,8 @@
 """The lm-eval backend on the engine equals lm-eval's own ``hf`` backend on the same small random Llama-style
 model (fp32): per-request log-likelihoods within 1e-4 on a multiple-choice, a rolling-perplexity and a
 generate-until task (identical greedy generations), and identical task metrics; once more through lm-eval's
-registry (``llm-pipeline``) with lm-eval's bundled arc_easy definition pointed at local files."""
+registry (``llm-pipeline``) with lm-eval's bundled arc_easy definition pointed at local files, and once with the
+model's chat template on every prompt (lm-eval's apply_chat_template, few-shot turns as a conversation)."""
 
 from __future__ import annotations
 
@@ -113,3 +114,31 @@ def test_registry_with_bundled_task_definition(setup: dict[str, Path], tmp_path:
     want = hf_backend(setup, ["arc_easy_local"], limit=3)
     assert_same(got, want)
     assert {"acc,none", "acc_stderr,none", "acc_norm,none"} <= set(got["results"]["arc_easy_local"])
+
+
+def test_parity_with_the_chat_template_applied(setup: dict[str, Path], tmp_path: Path) -> None:
+    """The engine renders prompts with the directory's template (engine.data.chat), lm-eval's hf backend with
+    transformers': the same requests, scores and generations."""
+    tasks = ["local_mc", "local_gen"]
+    got = engine_backend(setup, tasks, tmp_path, num_fewshot=1, limit=3, chat=True)
+    want = hf_backend(
+        setup, tasks, num_fewshot=1, limit=3, apply_chat_template=True, fewshot_as_multiturn=True
+    )
+    assert_same(got, want)
+    assert "<|start_header_id|>" in got["prompts"]["local_mc"][0]  # the template was applied
+
+
+def test_a_model_without_a_chat_template_cannot_apply_one(setup: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    from engine.evaluation.lm import render_chat
+    from engine.evaluation.load import has_chat_template
+
+    bare = tmp_path / "bare"
+    shutil.copytree(setup["hf"], bare)
+    cfg = bare / "tokenizer_config.json"
+    cfg.write_text(cfg.read_text().replace('"chat_template"', '"no_chat_template"'))
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    assert has_chat_template(setup["hf"]) and not has_chat_template(bare)
+    with pytest.raises(ValueError, match="without a chat template"):
+        render_chat(None, [{"role": "user", "content": "hi"}])
