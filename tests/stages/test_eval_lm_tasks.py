@@ -7,18 +7,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.schema.config import PipelineConfig
 from tests.stages.test_eval import run_eval_stage
 from tests.support.lm_tasks import write_tasks
 from tests.support.prep import run_prep, tiny_config, write_corpus
 
 
-def test_eval_runs_lm_eval_tasks_for_each_model(tmp_path: Path) -> None:
+def small_config(tmp_path: Path) -> PipelineConfig:
     corpus = tmp_path / "corpus"
     write_corpus(corpus)
     cfg = tiny_config(corpus)
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length = 2, 64, 64
     cfg.eval.num_task_examples, cfg.eval.perplexity_batches, cfg.eval.batch_size = 2, 1, 4
     cfg.eval.max_new_tokens, cfg.eval.threads = 3, 1
+    return cfg
+
+
+def test_eval_runs_lm_eval_tasks_for_each_model(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
     cfg.eval.models = ["pretrain", "sft"]
     tasks = write_tasks(tmp_path / "tasks")
     cfg.eval.tasks, cfg.eval.task_paths = ["local_mc", "local_gen"], [str(tasks)]
@@ -49,3 +55,26 @@ def test_eval_runs_lm_eval_tasks_for_each_model(tmp_path: Path) -> None:
     )
     assert all("acc_stderr" in x for x in lines if x.get("task") == "local_mc")
     assert "local_mc" in proc.stdout and "acc_norm" in proc.stdout and "±" in proc.stdout  # the table
+
+
+def test_eval_applies_the_runs_chat_template_to_lm_eval_prompts(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
+    cfg.eval.models = ["pretrain"]
+    cfg.eval.tasks, cfg.eval.task_paths = ["local_mc"], [str(write_tasks(tmp_path / "tasks"))]
+    cfg.eval.limit, cfg.eval.num_fewshot, cfg.eval.log_samples, cfg.eval.apply_chat_template = (
+        2,
+        1,
+        True,
+        True,
+    )
+    run = tmp_path / "run"
+    run_prep(cfg, run / "stages" / "data_prep")
+    run_eval_stage(tmp_path, cfg, run, {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    out = run / "stages" / "eval"
+    mc = json.loads((out / "results.json").read_text())["models"]["pretrain"]["lm_eval"]["local_mc"]
+    assert mc["chat_template"] is True and mc["samples"] == 2
+    first = json.loads((out / "lm_eval_samples" / "pretrain" / "local_mc.jsonl").read_text().splitlines()[0])
+    context = first["arguments"][0][0]  # the first choice's request: (context, continuation)
+    assert context.count("<|user|>") == 2 and context.endswith(
+        "<|assistant|>"
+    )  # a few-shot turn, the question
