@@ -120,12 +120,18 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     if D.is_rank0():
         _write_results(ctx, out)
         print(format_table(out), flush=True)
-    summary = {
-        k: {m: v[m] for m in ("perplexity", "task_accuracy", "pref_accuracy")} for k, v in results.items()
-    }
+    summary = {k: _summary(v) for k, v in results.items()}
     if reward is not None:
         summary["reward_model"] = {"pref_accuracy": reward["pref_accuracy"]}
     return {"results": str(Path(ctx.out_dir) / RESULTS), "models": summary, "skipped": skipped}
+
+
+def _summary(r: dict[str, Any]) -> dict[str, Any]:
+    """What the ledger keeps of one model's results: its scores and its lm-eval metrics (value and stderr)."""
+    out = {m: r[m] for m in ("perplexity", "task_accuracy", "pref_accuracy")}
+    if r.get("lm_eval"):
+        out["lm_eval"] = {task: sec["metrics"] for task, sec in r["lm_eval"].items()}
+    return out
 
 
 def _eval_models(

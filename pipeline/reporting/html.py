@@ -18,6 +18,7 @@ from typing import Any
 from pipeline.records.alarm_log import read_alarms
 from pipeline.records.ledger import Ledger, read_metrics
 from pipeline.reporting.moe import moe_charts
+from pipeline.reporting.results import task_grid
 from pipeline.reporting.search import search_section
 from pipeline.reporting.svg import PALETTE, Series, line_chart
 from pipeline.schema.graph import STAGES, TRAIN_STAGES
@@ -136,7 +137,11 @@ def eval_table(run_dir: Path) -> str:
     data = json.loads(path.read_text())
     rows = [[name, *(res.get(k) for k in EVAL_COLUMNS)] for name, res in data.get("models", {}).items()]
     skipped = "".join(f"<li>{_esc(k)}: {_esc(v)}</li>" for k, v in data.get("skipped", {}).items())
-    return _table(["model", *EVAL_COLUMNS], rows, "eval-table") + (f"<ul>{skipped}</ul>" if skipped else "")
+    html = _table(["model", *EVAL_COLUMNS], rows, "eval-table") + (f"<ul>{skipped}</ul>" if skipped else "")
+    cols, task_rows = task_grid(data.get("models", {}))
+    if cols:  # lm-eval tasks: the models side by side, value ± standard error
+        html += "<h3>lm-eval tasks</h3>" + _table(["model", *cols], task_rows, "eval-tasks")
+    return html
 
 
 # ---------------------------------------------------------------------------- timeline

@@ -55,6 +55,11 @@ def test_eval_runs_lm_eval_tasks_for_each_model(tmp_path: Path) -> None:
     )
     assert all("acc_stderr" in x for x in lines if x.get("task") == "local_mc")
     assert "local_mc" in proc.stdout and "acc_norm" in proc.stdout and "±" in proc.stdout  # the table
+    ledger = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])  # what the ledger keeps
+    assert (
+        ledger["models"]["sft"]["lm_eval"]["local_mc"]
+        == results["models"]["sft"]["lm_eval"]["local_mc"]["metrics"]
+    )
 
 
 def test_eval_applies_the_runs_chat_template_to_lm_eval_prompts(tmp_path: Path) -> None:
