@@ -109,8 +109,11 @@ def test_async_refill_no_barrier(root: Path) -> None:
 
 def test_pruned_then_kill_9_and_resume(root: Path) -> None:
     """Grid order (seed 0): lr 0.005, 1e-7, 0.004, one at a time: the 1e-7 trial is pruned at step 2 against the
-    first (the third may be too: the median pruner compares it with the first's step-2 loss); the controller is killed (-9) while a trial runs, and the same command finishes the study."""
+    first (the third may be too: the median pruner compares it with the first's step-2 loss); the controller is
+    killed (-9) while a trial runs, and the same command finishes the study. 40 steps, so a trial pruned at step 2
+    is still training when the restarted controller reads it, on a fast machine too."""
     args = ("pretrain.lr=choice(0.004,1e-7,0.005)", "search.n_trials=3", "search.max_concurrent=1")
+    args += ("pretrain.iters=40",)
     args += ("search.pruner=median",)  # the last of two: it wins
     launch(root, *args)
     wait_for("trial 1 to start", lambda: (t := trials.load(root, 1)) is not None and t.pid is not None, root)
