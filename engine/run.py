@@ -241,6 +241,7 @@ def build_stage(
         callbacks=callbacks,
         meter=StepMeter(flops, peak_tflops(cfg), D.world_size()),
         routing=routing_stats(chunks, cfg.model, par),
+        tasks=_in_loop_tasks(cfg, ctx, st, tokenizer, seq_length),
     )
     trainer = Trainer(
         chunks,
@@ -333,3 +334,15 @@ def _shutdown(watchdog: Any, stop_flag: Any) -> None:
     watchdog.stop()
     stop_flag.uninstall()
     D.shutdown()
+
+
+def _in_loop_tasks(cfg: PipelineConfig, ctx: StageContext, st: Any, tokenizer: Any, seq_length: int) -> Any:
+    """``<stage>.eval_tasks`` as the loop's in-training evaluator (None without tasks); stops at data_prep's
+    stop tokens, as the eval stage's generations do."""
+    if not st.eval_tasks:
+        return None
+    from engine.data.datasets import read_manifest
+    from engine.evaluation.in_loop import in_loop_tasks
+
+    stops = read_manifest(data_dir(ctx), verify=False).get("stop_token_ids") or [tokenizer.eod]
+    return in_loop_tasks(cfg, st, tokenizer, seq_length, list(stops))

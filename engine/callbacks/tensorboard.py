@@ -50,7 +50,8 @@ class TensorBoard(Callback):
             self._add("train", view)
 
     def on_eval(self, view: StepView) -> None:
-        self._add("valid", view)
+        task = view.metrics.get("task")  # an in-training lm-eval task's line, else the validation loss
+        self._add(f"tasks/{task}" if view.metrics.get("kind") == "eval_task" else "valid", view)
         self._w().flush()
 
     def on_save(self, view: StepView) -> None:

@@ -88,6 +88,11 @@ def restore_rng(path: Path) -> None:
             parallel_layout(),
         )
         return
+    set_rng_state(saved)
+
+
+def set_rng_state(saved: dict[str, Any]) -> None:
+    """Set this rank's RNG states to ``saved`` (what :func:`rng_state` returned)."""
     py, npy = saved["python"], saved["numpy"]
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     np.random.set_state(

@@ -19,8 +19,9 @@ LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 Problem = tuple[str, str, str]
 
 
-def task_problems(tasks: list[str], task_paths: list[str]) -> list[Problem]:
-    """Unknown names (with the closest known ones), then tasks whose data is not available offline."""
+def task_problems(tasks: list[str], task_paths: list[str], key: str = "eval.tasks") -> list[Problem]:
+    """Unknown names (with the closest known ones), then tasks whose data is not available offline; each
+    problem names ``<key>[i]``."""
     manager = task_manager(task_paths, tasks)
     known = list(manager.all_tasks)
     problems: list[Problem] = []
@@ -31,7 +32,7 @@ def task_problems(tasks: list[str], task_paths: list[str]) -> list[Problem]:
             close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             where = f" (bundled, or under eval.task_paths={list(task_paths)})"
-            problems.append((f"eval.tasks[{i}]", name, f"unknown lm-eval task{where}{hint}"))
+            problems.append((f"{key}[{i}]", name, f"unknown lm-eval task{where}{hint}"))
             continue
         entry = manager.task_index[name]
         if (
@@ -39,7 +40,7 @@ def task_problems(tasks: list[str], task_paths: list[str]) -> list[Problem]:
         ):  # plain tasks (a group's members: at run time)
             why = data_problem(entry.cfg, entry.yaml_path)
             if why:
-                problems.append((f"eval.tasks[{i}]", name, why))
+                problems.append((f"{key}[{i}]", name, why))
     return problems
 
 

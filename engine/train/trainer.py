@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,8 @@ class LoopServices:
     """Time split of each step, TFLOP/s, MFU and memory in the train lines (engine.train.meter)."""
     routing: RoutingStats | None = None
     """A MoE model's routing statistics and load-balancing losses, added to each step's metrics (engine.models.moe)."""
+    tasks: Callable[[list[Any]], dict[str, Any]] | None = None
+    """lm-eval tasks run with each validation (engine.evaluation.in_loop): ``tasks(chunks) -> {task: section}``."""
 
 
 class Trainer:
@@ -98,6 +100,7 @@ class Trainer:
         self.callbacks = services.callbacks or Callbacks()
         self.meter = services.meter or StepMeter()
         self.routing = services.routing
+        self.tasks = services.tasks
         self.iteration = 0
         self.resume_info: dict[str, Any] | None = None
         self._start, self._t0, self._window = (
@@ -501,7 +504,22 @@ class Trainer:
         if out is not None:
             self.metrics.write({"kind": "valid", "step": step, **out})
             self.callbacks.emit("on_eval", step, {"kind": "valid", "step": step, **out})
+        if self.tasks is not None:
+            self._write_tasks(step)
         return out
+
+    def _write_tasks(self, step: int) -> None:
+        """The in-training lm-eval tasks: one ``eval_task`` line per task (values, stderrs, the time taken)."""
+        assert self.tasks is not None
+        t = time.time()
+        sections = self.tasks(self.chunks)
+        took = time.time() - t
+        for task, sec in sections.items():
+            values = {k: m["value"] for k, m in sec["metrics"].items()}
+            errors = {f"{k}_stderr": m["stderr"] for k, m in sec["metrics"].items()}
+            line = {"kind": "eval_task", "step": step, "task": task, **values, **errors, "eval_task_s": took}
+            self.metrics.write(line)
+            self.callbacks.emit("on_eval", step, line)
 
 
 def _poisoned(step: ForwardStep) -> ForwardStep:

@@ -98,7 +98,27 @@ def stage_curves(stage: str, recs: list[dict[str, Any]]) -> str:
             series.append(("valid", *_series(recs, "valid", "loss")))
         charts.append(line_chart(f"{stage}: {title}", series))
     charts += moe_charts(stage, recs)  # a MoE model's routing (pipeline/reporting/moe.py)
+    charts += task_charts(stage, recs)
     return f'<div class="plots" id="curves-{stage}">{"".join(charts)}</div>'
+
+
+def task_charts(stage: str, recs: list[dict[str, Any]]) -> list[str]:
+    """One chart per in-training lm-eval task (``eval_task`` lines): each metric against the step."""
+    lines = [r for r in recs if r.get("kind") == "eval_task" and isinstance(r.get("step"), (int, float))]
+    charts = []
+    for task in dict.fromkeys(str(r.get("task")) for r in lines):
+        own = [r for r in lines if str(r.get("task")) == task]
+        names = [
+            k
+            for k in dict.fromkeys(k for r in own for k in r)
+            if k not in ("kind", "step", "task", "model", "eval_task_s") and not k.endswith("_stderr")
+        ]
+        series: list[Series] = [
+            (name, *_series(own, "eval_task", name)) for name in names if _series(own, "eval_task", name)[0]
+        ]
+        if series:
+            charts.append(line_chart(f"{stage}: {task}", series))
+    return charts
 
 
 def _last(recs: list[dict[str, Any]], kind: str) -> dict[str, Any]:

@@ -61,6 +61,8 @@ IDENTITY_STAGE_HASHED_WHEN_SET = (
     "log_samples",
     "apply_chat_template",
     "fewshot_as_multiturn",
+    "eval_tasks",
+    "eval_task_limit",
 )
 """Stage keys added after runs existed (DAPO/GSPO's rlhf keys, eval's lm-eval keys): hashed only when they
 differ from their default, so the runs made before them keep their directories."""

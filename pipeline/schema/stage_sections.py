@@ -151,6 +151,10 @@ class TrainStage:
     """Steps between validation losses (0: only at the end)."""
     eval_iters: int = num(4, ge=1)
     """Validation batches per evaluation."""
+    eval_tasks: list[str] = field(default_factory=list)
+    """lm-eval tasks run on the training ranks with each validation (every eval_interval steps and at the end), eval_task_limit documents each, eval's task_paths, num_fewshot, fewshot_seed and max_gen_toks applying; the values go to metrics.jsonl (eval_task lines), the sinks and the report. Training is not touched (its RNG and data position are kept). Empty: none."""
+    eval_task_limit: int = num(16, ge=1)
+    """Documents per in-training task (a quick check, not the final benchmark)."""
     save_interval: int | str = num(50, ge=1, or_word="auto")
     """Steps between checkpoints (the final step is always saved); auto: chosen by Young/Daly from the save's stall and the stage's failure rate (cluster.node_mtbf_hours / nodes), from the planner's estimate of the stall before the first save and the measured stall after it (docs/fault-tolerance.md)."""
     keep_last: int = num(2, ge=1)

@@ -88,3 +88,21 @@ def test_a_chat_templated_run_refuses_a_hf_model_without_a_template(tmp_path: Pa
         preflight_tasks._lm_tasks(cfg, "eval")
     cfg.eval.models = ["sft", f"hf:{chat}"]
     preflight_tasks._lm_tasks(cfg, "eval")
+
+
+def test_in_training_tasks_are_checked_under_their_own_key(tmp_path: Path, task_dir: Path) -> None:
+    from pipeline.submit.preflight.tasks import _in_loop_tasks
+
+    cfg = PipelineConfig()
+    cfg.eval.task_paths = [str(task_dir)]
+    cfg.sft.eval_tasks = ["local_gen", "local_mcc"]
+    with pytest.raises(ConfigError, match=r"sft\.eval_tasks\[1\]='local_mcc': unknown lm-eval task"):
+        _in_loop_tasks(cfg, "sft")
+    cfg.sft.eval_tasks = ["local_mc"]
+    _in_loop_tasks(cfg, "sft")
+    cfg.sft.parallel.pp = 2
+    with pytest.raises(ConfigError, match=r"sft\.parallel\.pp=2: sft\.eval_tasks run with pp=1"):
+        _in_loop_tasks(cfg, "sft")
+    cfg.reward_model.eval_tasks = ["local_mc"]
+    with pytest.raises(ConfigError, match=r"reward_model\.eval_tasks=.*not a language model"):
+        _in_loop_tasks(cfg, "reward_model")

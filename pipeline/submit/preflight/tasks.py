@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.schema.config import PipelineConfig
+from pipeline.schema.config import PipelineConfig, TrainStage
+from pipeline.schema.graph import LM_STAGES, TRAIN_STAGES
 from pipeline.submit.preflight.checks import fail, reads
 
 
@@ -29,7 +30,30 @@ def _lm_tasks(cfg: PipelineConfig, stage: str) -> None:
         _chat_templates(cfg)
     from engine.evaluation.checks import task_problems
 
-    problems = task_problems(list(ev.tasks), list(ev.task_paths))
+    _first_problem(task_problems(list(ev.tasks), list(ev.task_paths)))
+
+
+@reads(*TRAIN_STAGES)
+def _in_loop_tasks(cfg: PipelineConfig, stage: str) -> None:
+    """``<stage>.eval_tasks``: lm-eval's names and offline data, as for eval.tasks; pp=1; a language model."""
+    st = cfg.stage(stage)
+    assert isinstance(st, TrainStage)
+    if not st.eval_tasks:
+        return
+    if stage not in LM_STAGES:
+        fail(f"{stage}.eval_tasks", list(st.eval_tasks), f"{stage} is not a language model: no lm-eval tasks")
+    if st.parallel.pp > 1:
+        fail(
+            f"{stage}.parallel.pp",
+            st.parallel.pp,
+            f"{stage}.eval_tasks run with pp=1 (tensor parallel is fine)",
+        )
+    from engine.evaluation.checks import task_problems
+
+    _first_problem(task_problems(list(st.eval_tasks), list(cfg.eval.task_paths), f"{stage}.eval_tasks"))
+
+
+def _first_problem(problems: list[tuple[str, str, str]]) -> None:
     if problems:
         key, value, why = problems[0]
         fail(key, value, why + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))

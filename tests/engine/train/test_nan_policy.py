@@ -221,3 +221,42 @@ def test_auto_save_interval_saves_when_it_chose_and_changes_nothing(
     saves = [m["step"] for m in metrics(root, "checkpoint")]
     assert saves == expected, (saves, chosen)
     assert_identical(tensors(root), tensors(sync_run))
+
+
+@pytest.mark.slow
+def test_in_training_tasks_are_recorded_and_change_no_weight_across_a_kill(
+    data_root: Path, sync_run: Path, tmp_path: Path
+) -> None:
+    """pretrain.eval_tasks: lm-eval tasks with each validation (every 2 steps and at the end), in metrics.jsonl,
+    TensorBoard and the report's curves; killed at step 5 and resumed, the final weights still equal the run
+    without them (the evaluator draws nothing from the training RNG or data)."""
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pipeline.reporting.html import task_charts
+    from tests.support.lm_tasks import write_tasks
+
+    root = tmp_path / "root"  # the tasks make it another run: only the shared data prepared before is seeded
+    shutil.copytree(data_root / ".data", root / ".data", symlinks=True)
+    tasks = write_tasks(tmp_path / "tasks")
+    args = (
+        "pretrain.eval_tasks=[local_mc,local_gen]",
+        f"eval.task_paths=[{tasks}]",
+        "pretrain.eval_interval=2",
+        "pretrain.eval_task_limit=2",
+        "eval.max_gen_toks=4",
+    )
+    assert run(root, *args, fault="kill@step:5").returncode != 0
+    ok(run(root, *args, fault="kill@step:5"))
+    lines = metrics(root, "eval_task")
+    by_step = {(r["step"], r["task"]) for r in lines}
+    assert {(s, t) for s in (2, 4, 6) for t in ("local_mc", "local_gen")} <= by_step, by_step
+    mc = next(r for r in lines if r["task"] == "local_mc")
+    assert 0.0 <= mc["acc"] <= 1.0 and "acc_stderr" in mc and mc["eval_task_s"] > 0
+    assert_identical(tensors(root), tensors(sync_run))
+    tb = EventAccumulator(str(run_dir(root) / "stages" / "pretrain" / "tensorboard"))
+    tb.Reload()
+    assert "tasks/local_mc/acc" in tb.Tags()["scalars"], tb.Tags()["scalars"]
+    charts = task_charts("pretrain", lines)
+    assert len(charts) == 2 and "pretrain: local_mc" in charts[0]
