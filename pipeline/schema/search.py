@@ -37,7 +37,7 @@ class SearchConfig:
     pruner: str = "none"
     """Optuna pruner over the intermediate valid losses: none, median, asha (= successive_halving), hyperband."""
     objective: str = "pretrain.final_valid_loss"
-    """What a trial scores: <stage>.final_valid_loss or <stage>.best_valid_loss of a training stage, or eval.<metric> (a number in eval's results.json)."""
+    """What a trial scores: <stage>.final_valid_loss or <stage>.best_valid_loss of a training stage, <stage>.task.<task>.<metric> (the last value of one of the stage's in-training lm-eval tasks, <stage>.eval_tasks), or eval.<metric> (a number in eval's results.json)."""
     direction: str = "minimize"
     """minimize or maximize the objective."""
     prune_stage: str = "pretrain"
@@ -64,10 +64,13 @@ class SearchConfig:
             if not name:
                 fail("objective", self.objective, "eval.<metric>: name a metric of eval's results.json")
             return
+        task, _, metric = name.removeprefix("task.").partition(".")
+        if stage in TRAIN_STAGES and name.startswith("task.") and task and metric:
+            return
         if stage not in TRAIN_STAGES or name not in STAGE_OBJECTIVES:
             fail(
                 "objective",
                 self.objective,
                 f"must be <stage>.<name> with stage one of {list(TRAIN_STAGES)} and name one of "
-                f"{list(STAGE_OBJECTIVES)}, or eval.<metric>",
+                f"{list(STAGE_OBJECTIVES)}, <stage>.task.<task>.<metric>, or eval.<metric>",
             )

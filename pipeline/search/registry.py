@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.schema import search as schema
-from pipeline.schema.config import PipelineConfig
+from pipeline.schema.config import PipelineConfig, TrainStage
 from pipeline.schema.errors import ConfigError
 from pipeline.search.space import Space
 
@@ -109,6 +109,22 @@ def valid_losses(metrics: Path) -> list[tuple[int, float]]:
     return out
 
 
+def task_values(metrics: Path, task: str, metric: str) -> list[tuple[int, float]]:
+    """(step, value) of ``metric`` in every in-training ``eval_task`` line of ``task`` (engine.train.trainer)."""
+    out: list[tuple[int, float]] = []
+    if not metrics.is_file():
+        return out
+    for line in metrics.read_text(errors="replace").splitlines():
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue
+        v = m.get(metric)
+        if m.get("kind") == "eval_task" and m.get("task") == task and isinstance(v, int | float):
+            out.append((int(m["step"]), float(v)))
+    return out
+
+
 def _final(points: list[tuple[int, float]]) -> float | None:
     return points[-1][1] if points else None
 
@@ -132,6 +148,9 @@ def objective_value(objective: str, run_dir: Path) -> float | None:
             return None
         value = _lookup(json.loads(path.read_text()), name)
         return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    if name.startswith("task."):  # <stage>.task.<task>.<metric>: the end-of-training value
+        task, _, metric = name.removeprefix("task.").partition(".")
+        return _final(task_values(run_dir / "stages" / stage / "metrics.jsonl", task, metric))
     return STAGE_OBJECTIVES[name](valid_losses(run_dir / "stages" / stage / "metrics.jsonl"))
 
 
@@ -148,12 +167,20 @@ def _lookup(data: Any, dotted: str) -> Any:
 def check_objective(cfg: PipelineConfig) -> None:
     """The objective's and prune stage's stages run in every trial (else nothing would score it)."""
     sc = cfg.search
-    stage = sc.objective.partition(".")[0]
+    stage, _, name = sc.objective.partition(".")
+    task = name.removeprefix("task.").partition(".")[0] if name.startswith("task.") else None
+    st = cfg.stage(stage) if stage in cfg.run.stages else None
+    if task is not None and isinstance(st, TrainStage) and task not in st.eval_tasks:
+        raise ConfigError(
+            f"search.objective={sc.objective}: {task!r} is not one of {stage}.eval_tasks={list(st.eval_tasks)}; "
+            "add it there (in-training tasks score a trial)"
+        )
     for key, s in (("objective", stage), ("prune_stage", sc.prune_stage)):
         if s not in cfg.run.stages and not (key == "prune_stage" and sc.pruner == "none"):
             raise ConfigError(
                 f"search.{key}={getattr(sc, key)}: stage {s!r} is not in run.stages={cfg.run.stages}; "
-                f"add it or choose another (objectives: <stage>.{{{','.join(STAGE_OBJECTIVES)}}} or eval.<metric>)"
+                f"add it or choose another (objectives: <stage>.{{{','.join(STAGE_OBJECTIVES)}}}, "
+                "<stage>.task.<task>.<metric> or eval.<metric>)"
             )
 
 

@@ -64,12 +64,19 @@ def test_valid_losses_and_objectives(tmp_path: Path) -> None:
     m.parent.mkdir(parents=True)
     m.write_text(
         '{"kind": "train", "step": 1, "loss": 7}\n{"kind": "valid", "step": 2, "loss": 6.0}\n'
-        '{"kind": "valid", "step": 4, "loss": 5.5}\n{"kind": "valid", "step": 6, "loss": 5.7}\n{"kind": "va'
+        '{"kind": "valid", "step": 4, "loss": 5.5}\n{"kind": "valid", "step": 6, "loss": 5.7}\n'
+        '{"kind": "eval_task", "step": 6, "task": "local_mc", "acc": 0.5, "acc_stderr": 0.2}\n'
+        '{"kind": "eval_task", "step": 8, "task": "local_mc", "acc": 0.75}\n{"kind": "va'
     )
     assert registry.valid_losses(m) == [(2, 6.0), (4, 5.5), (6, 5.7)]
     assert registry.objective_value("pretrain.final_valid_loss", tmp_path) == 5.7
     assert registry.objective_value("pretrain.best_valid_loss", tmp_path) == 5.5
     assert registry.objective_value("sft.final_valid_loss", tmp_path) is None
+    assert registry.task_values(m, "local_mc", "acc") == [(6, 0.5), (8, 0.75)]
+    assert (
+        registry.objective_value("pretrain.task.local_mc.acc", tmp_path) == 0.75
+    )  # the end-of-training value
+    assert registry.objective_value("pretrain.task.local_gen.acc", tmp_path) is None
     (tmp_path / "stages" / "eval").mkdir()
     (tmp_path / "stages" / "eval" / "results.json").write_text('{"arith": {"accuracy": 0.25}}')
     assert registry.objective_value("eval.arith.accuracy", tmp_path) == 0.25
@@ -85,6 +92,10 @@ def test_valid_losses_and_objectives(tmp_path: Path) -> None:
             ["search.objective=sft.final_valid_loss"],
             "search.objective=sft.final_valid_loss: stage 'sft' is not",
         ),
+        (
+            ["search.objective=pretrain.task.local_mc.acc"],
+            "search.objective=pretrain.task.local_mc.acc: 'local_mc' is not one of pretrain.eval_tasks=[]",
+        ),
         (["search.poll_s=0.1"], "search.poll_s=0.1: must be a finite number >= 0.5"),
         (
             ["pretrain.lrr=interval(1e-4,1e-2)"],
@@ -96,7 +107,17 @@ def test_valid_losses_and_objectives(tmp_path: Path) -> None:
         ),
         (["pretrain.lr=interval(0,1e-2)"], "pretrain.lr=0.0: must be a finite number > 0"),
     ],
-    ids=["sampler", "pruner", "objective", "objective stage", "poll floor", "unknown key", "box", "bound"],
+    ids=[
+        "sampler",
+        "pruner",
+        "objective",
+        "objective stage",
+        "objective task",
+        "poll floor",
+        "unknown key",
+        "box",
+        "bound",
+    ],
 )
 def test_bad_search_is_a_config_error_nothing_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], says: str
