@@ -24,6 +24,12 @@ class DistEnv:
     master_port: int
 
 
+STAGE_EVENTS = "events"
+"""Key of a stage's result holding its own events (a list of dicts, each with an ``event`` name): the launcher
+appends them to the run's events.jsonl, before the stage's ``completed`` event, and keeps them out of the
+ledger's outputs."""
+
+
 @dataclass
 class StageContext:
     """Arguments of ``stages.<name>.main(cfg, ctx)``; built by the job runner (pipeline.submit.launch)."""

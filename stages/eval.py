@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.context import MetricsWriter, StageContext
+from engine.context import STAGE_EVENTS, MetricsWriter, StageContext
 from pipeline.records.files import atomic_write_text
 from pipeline.schema.config import PipelineConfig
 from stages import tasks
@@ -123,7 +123,22 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     summary = {k: _summary(v) for k, v in results.items()}
     if reward is not None:
         summary["reward_model"] = {"pref_accuracy": reward["pref_accuracy"]}
-    return {"results": str(Path(ctx.out_dir) / RESULTS), "models": summary, "skipped": skipped}
+    return {
+        "results": str(Path(ctx.out_dir) / RESULTS),
+        "models": summary,
+        "skipped": skipped,
+        STAGE_EVENTS: [
+            {
+                "event": "eval_task",
+                "model": m,
+                "task": t,
+                "metrics": sec["metrics"],
+                "samples": sec["samples"],
+            }
+            for m, r in results.items()
+            for t, sec in (r.get("lm_eval") or {}).items()
+        ],
+    }
 
 
 def _summary(r: dict[str, Any]) -> dict[str, Any]:

@@ -291,7 +291,12 @@ def run_stage(
             **((ledger.read(stage) or StageRecord(stage)).extra),
             "accounting": accounting(Path(run_dir), stage),
         }
+        from engine.context import STAGE_EVENTS
+
+        own = out.pop(STAGE_EVENTS, [])  # the stage's own events (eval: each model's task results)
         ledger.update(stage, status=COMPLETED, ended_at=time.time(), outputs=out, extra=extra)
+        for ev in own:
+            ledger.event(str(ev["event"]), stage, **{k: v for k, v in ev.items() if k != "event"})
         ledger.event("completed", stage)
     return out
 

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from engine.train.bad_steps import SPIKE_MIN_HISTORY, BadStepGuard, reason_code, reason_from_code
+from pipeline.records.ledger import Ledger
 from pipeline.schema.config import PipelineConfig, TrainStage
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.identity import stage_hashes
@@ -229,7 +230,8 @@ def test_in_training_tasks_are_recorded_and_change_no_weight_across_a_kill(
 ) -> None:
     """pretrain.eval_tasks: lm-eval tasks with each validation (every 2 steps and at the end), in metrics.jsonl,
     TensorBoard and the report's curves; killed at step 5 and resumed, the final weights still equal the run
-    without them (the evaluator draws nothing from the training RNG or data)."""
+    without them (the evaluator draws nothing from the training RNG or data). The eval stage after it runs the
+    same tasks on the final model: its results are events of the run too."""
     import shutil
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -246,6 +248,11 @@ def test_in_training_tasks_are_recorded_and_change_no_weight_across_a_kill(
         "pretrain.eval_interval=2",
         "pretrain.eval_task_limit=2",
         "eval.max_gen_toks=4",
+        "run.stages=[data_prep,pretrain,eval]",
+        "eval.models=[pretrain]",
+        "eval.tasks=[local_mc]",
+        "eval.limit=2",
+        "eval.num_task_examples=2",
     )
     assert run(root, *args, fault="kill@step:5").returncode != 0
     ok(run(root, *args, fault="kill@step:5"))
@@ -260,3 +267,18 @@ def test_in_training_tasks_are_recorded_and_change_no_weight_across_a_kill(
     assert "tasks/local_mc/acc" in tb.Tags()["scalars"], tb.Tags()["scalars"]
     charts = task_charts("pretrain", lines)
     assert len(charts) == 2 and "pretrain: local_mc" in charts[0]
+    events = Ledger(run_dir(root)).events()
+    (task_event,) = [e for e in events if e["event"] == "eval_task"]
+    assert (
+        task_event["stage"] == "eval"
+        and task_event["model"] == "pretrain"
+        and task_event["task"] == "local_mc"
+    )
+    assert set(task_event["metrics"]) == {"acc", "acc_norm"} and task_event["samples"] == 2
+    done = [e["event"] for e in events if e.get("stage") == "eval"]
+    assert done.index("eval_task") < done.index("completed")
+    outputs = Ledger(run_dir(root)).read("eval").outputs  # type: ignore[union-attr]
+    assert (
+        "events" not in outputs
+        and outputs["models"]["pretrain"]["lm_eval"]["local_mc"] == task_event["metrics"]
+    )
