@@ -94,8 +94,9 @@ PRUNERS: dict[str, Callable[[Any, int], Any]] = {
 }
 
 
-def valid_losses(metrics: Path) -> list[tuple[int, float]]:
-    """(step, loss) of every valid line of a stage's metrics.jsonl (a line being written is skipped)."""
+def _points(metrics: Path, kind: str, key: str, **match: Any) -> list[tuple[int, float]]:
+    """(step, ``key``) of every ``kind`` line of a stage's metrics.jsonl holding ``match`` and a finite number
+    under ``key`` (a line being written is skipped)."""
     out: list[tuple[int, float]] = []
     if not metrics.is_file():
         return out
@@ -104,25 +105,22 @@ def valid_losses(metrics: Path) -> list[tuple[int, float]]:
             m = json.loads(line)
         except ValueError:
             continue
-        if m.get("kind") == "valid" and isinstance(m.get("loss"), int | float) and math.isfinite(m["loss"]):
-            out.append((int(m["step"]), float(m["loss"])))
+        v = m.get(key)
+        if m.get("kind") != kind or any(m.get(k) != want for k, want in match.items()):
+            continue
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            out.append((int(m["step"]), float(v)))
     return out
+
+
+def valid_losses(metrics: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every valid line of a stage's metrics.jsonl."""
+    return _points(metrics, "valid", "loss")
 
 
 def task_values(metrics: Path, task: str, metric: str) -> list[tuple[int, float]]:
     """(step, value) of ``metric`` in every in-training ``eval_task`` line of ``task`` (engine.train.trainer)."""
-    out: list[tuple[int, float]] = []
-    if not metrics.is_file():
-        return out
-    for line in metrics.read_text(errors="replace").splitlines():
-        try:
-            m = json.loads(line)
-        except ValueError:
-            continue
-        v = m.get(metric)
-        if m.get("kind") == "eval_task" and m.get("task") == task and isinstance(v, int | float):
-            out.append((int(m["step"]), float(v)))
-    return out
+    return _points(metrics, "eval_task", metric, task=task)
 
 
 def _final(points: list[tuple[int, float]]) -> float | None:
