@@ -127,9 +127,24 @@ def test_side_by_side_on_one_core_says_it_is_skipped(
 @pytest.mark.timeout(600)
 def test_lm_eval_bench_prints_the_ratios_and_the_results_agree(tmp_path: Path) -> None:
     out = tmp_path / "lm.json"
-    args = ["--docs", "3", "--hidden", "64", "--layers", "1", "--rounds", "1", "--json", str(out)]
+    args = [
+        "--docs",
+        "3",
+        "--hidden",
+        "64",
+        "--layers",
+        "1",
+        "--rounds",
+        "1",
+        "--tp",
+        "2",
+        "--json",
+        str(out),
+    ]
     r = run_bench("bench_lm_eval", *args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    rows = json.loads(out.read_text())
-    assert sorted(rows) == ["generate_until", "loglikelihood", "loglikelihood_rolling"]
-    assert all(x["ratio"] > 0 and x["agree"] == 1.0 for x in rows.values()), rows
+    got = json.loads(out.read_text())
+    for rows in (got["vs_hf"], got["tp"]):  # the engine against hf at TP1, and at TP2 against TP1
+        assert sorted(rows) == ["generate_until", "loglikelihood", "loglikelihood_rolling"]
+        assert all(x["ratio"] > 0 and x["agree"] == 1.0 for x in rows.values()), rows
+    assert "TP2 (1 thread(s) per rank) against TP1" in r.stdout
