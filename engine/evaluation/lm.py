@@ -13,8 +13,9 @@
 - ``apply_chat_template``: with lm-eval's ``apply_chat_template``, every prompt rendered with the model's chat
   template (``chat``: an engine.data.chat.ChatTemplate; from a directory, its own);
 - ``generate_until``: greedy (or sampled, when a task asks) generation with the engine's KV cache
-  (``engine.models.generate``) up to ``max_gen_toks`` or a stop token (the tokenizer's eos and ``stop_tokens``),
-  decoded without special tokens and cut at the first of the task's ``until`` strings.
+  (``engine.models.generate``) up to ``max_gen_toks`` or a stop token (the tokenizer's eos, ``stop_tokens`` and
+  any token whose text holds an ``until`` string), decoded without special tokens and cut at the first of the
+  task's ``until`` strings.
 
 Requests are sorted longest first and batched ``batch_size`` at a time (lm-eval's ``Collator``); results come
 back in request order. One rank, or the ranks of one tensor-parallel group serving the same requests (logits
@@ -81,6 +82,7 @@ class EngineLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self.stop_tokens = tuple(dict.fromkeys([tok.eod, *stop_tokens]))
         self.chat = chat
+        self._until_cache: dict[tuple[str, ...], tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------------ what lm-eval asks of a model
 
@@ -192,14 +194,27 @@ class EngineLM(TemplateLM):
                     f"llm-pipeline: max_gen_toks={new} leaves no room in max_length={self.max_length}"
                 )
             prompts = [self.tok_encode(c)[-room:] for c in contexts]
-            texts = self._generate(prompts, new, kwargs)
+            texts = self._generate(prompts, new, kwargs, self._until_tokens(tuple(until)))
             for ctx, gen_kwargs, text in zip(contexts, all_kwargs, texts):
                 s = postprocess_generated_text(generation=text, stop=until, think_end_token=None)
                 out.append(s)
                 self.cache_hook.add_partial("generate_until", (ctx, gen_kwargs), s)
         return list(collator.get_original(out))
 
-    def _generate(self, prompts: list[list[int]], new: int, kwargs: dict[str, Any]) -> list[str]:
+    def _until_tokens(self, until: tuple[str, ...]) -> tuple[int, ...]:
+        """Tokens whose own text holds one of ``until``: a row that emits one has its cut point, so it stops
+        there (the same text after the cut, fewer steps); an ``until`` split over tokens still cuts after."""
+        if until not in self._until_cache:
+            ids = range(int(self.tok.hf.get_vocab_size(with_added_tokens=True)))
+            texts = [self.tok_decode([i]) for i in ids]
+            self._until_cache[until] = tuple(
+                i for i, t in zip(ids, texts) if any(u and u in t for u in until)
+            )
+        return self._until_cache[until]
+
+    def _generate(
+        self, prompts: list[list[int]], new: int, kwargs: dict[str, Any], until_ids: tuple[int, ...] = ()
+    ) -> list[str]:
         from engine.models.generate import SamplingParams, generate
 
         sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature") or 0.0) > 0
@@ -208,7 +223,7 @@ class EngineLM(TemplateLM):
             temperature=float(kwargs["temperature"]) if sample else 0.0,
             top_k=int(kwargs.get("top_k") or 0) if sample else 0,
             top_p=float(kwargs.get("top_p") or 1.0) if sample else 1.0,
-            stop_tokens=self.stop_tokens,
+            stop_tokens=tuple(dict.fromkeys([*self.stop_tokens, *until_ids])),
             seed=int(kwargs.get("seed") or 0),
         )
         got = generate(self.chunks, prompts, params, vocab_size=self.tok.vocab_size, pad_id=self.tok.pad)
