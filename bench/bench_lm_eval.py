@@ -190,7 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         if int(os_rank()) == 0:
             print("RESULT " + json.dumps(got))
-        return 0
+        # measured and printed: leave without the interpreter's teardown, where a late gloo thread can abort
+        # the process (rc -6) after a correct result
+        import os
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     from tests.support.lm_tasks import write_tasks
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_lm_eval_"))
