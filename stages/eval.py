@@ -462,6 +462,8 @@ def _iteration(ckpt: Path) -> int | None:
 
 
 def _write_results(ctx: StageContext, out: dict[str, Any]) -> None:
+    from engine.evaluation.tasks import metric_fields
+
     atomic_write_text(Path(ctx.out_dir) / RESULTS, json.dumps(out, indent=2) + "\n")
     metrics = MetricsWriter(ctx.metrics_path)
     if "reward_model" in out:
@@ -479,13 +481,12 @@ def _write_results(ctx: StageContext, out: dict[str, Any]) -> None:
             }
         )
         for task, sec in r.get("lm_eval", {}).items():
-            values = {k: m["value"] for k, m in sec["metrics"].items()}
-            errors = {f"{k}_stderr": m["stderr"] for k, m in sec["metrics"].items()}
-            metrics.write({"kind": "eval_task", "model": stage, "task": task, **values, **errors})
+            metrics.write({"kind": "eval_task", "model": stage, "task": task, **metric_fields(sec)})
 
 
 def format_table(out: dict[str, Any]) -> str:
     """The models side by side: perplexity, task accuracy, preference accuracy."""
+
     d = out["data"]
     lines = [
         f"eval on {d['valid_tokens']} valid tokens, {d['task_examples']} task prompts, {d['pref_pairs']} preference pairs",

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.evaluation.tasks import TaskRun, run_tasks
+from engine.evaluation.tasks import TaskRun, metric_fields, run_tasks
 
 
 @dataclass
 class InLoopTasks:
-    """``tasks(chunks) -> {task: section}`` (engine.evaluation.tasks.summarize's sections)."""
+    """``tasks(chunks) -> {task: fields}``: each task's metrics as metrics-line fields (tasks.metric_fields)."""
 
     run: TaskRun
     manager: Any
@@ -41,7 +41,7 @@ class InLoopTasks:
                 max_gen_toks=self.max_gen_toks,
                 stop_tokens=self.stop_tokens,
             )
-            return run_tasks(lm, self.run, self.manager)
+            return {t: metric_fields(sec) for t, sec in run_tasks(lm, self.run, self.manager).items()}
         finally:
             for c, mode in zip(chunks, modes):
                 c.train(mode)

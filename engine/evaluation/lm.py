@@ -83,6 +83,7 @@ class EngineLM(TemplateLM):
         self.stop_tokens = tuple(dict.fromkeys([tok.eod, *stop_tokens]))
         self.chat = chat
         self._until_cache: dict[tuple[str, ...], tuple[int, ...]] = {}
+        self._token_texts: list[str] = []
 
     # ------------------------------------------------------------------------ what lm-eval asks of a model
 
@@ -204,11 +205,12 @@ class EngineLM(TemplateLM):
     def _until_tokens(self, until: tuple[str, ...]) -> tuple[int, ...]:
         """Tokens whose own text holds one of ``until``: a row that emits one has its cut point, so it stops
         there (the same text after the cut, fewer steps); an ``until`` split over tokens still cuts after."""
+        if not self._token_texts:  # decoded once per backend: every until set filters the same texts
+            size = int(self.tok.hf.get_vocab_size(with_added_tokens=True))
+            self._token_texts = [self.tok_decode([i]) for i in range(size)]
         if until not in self._until_cache:
-            ids = range(int(self.tok.hf.get_vocab_size(with_added_tokens=True)))
-            texts = [self.tok_decode([i]) for i in ids]
             self._until_cache[until] = tuple(
-                i for i, t in zip(ids, texts) if any(u and u in t for u in until)
+                i for i, t in enumerate(self._token_texts) if any(u and u in t for u in until)
             )
         return self._until_cache[until]
 

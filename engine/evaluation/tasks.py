@@ -104,6 +104,12 @@ def summarize(out: dict[str, Any], run: TaskRun) -> dict[str, Any]:
     return sections
 
 
+def metric_fields(section: dict[str, Any]) -> dict[str, Any]:
+    """A task section's metrics as one metrics.jsonl line's fields: ``<metric>`` and ``<metric>_stderr``."""
+    values = {k: m["value"] for k, m in section["metrics"].items()}
+    return {**values, **{f"{k}_stderr": m["stderr"] for k, m in section["metrics"].items()}}
+
+
 def config_hash(config: dict[str, Any]) -> str:
     """sha256 (16 hex digits) of the task's resolved config as lm-eval reports it."""
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -59,7 +59,8 @@ class LoopServices:
     routing: RoutingStats | None = None
     """A MoE model's routing statistics and load-balancing losses, added to each step's metrics (engine.models.moe)."""
     tasks: Callable[[list[Any]], dict[str, Any]] | None = None
-    """lm-eval tasks run with each validation (engine.evaluation.in_loop): ``tasks(chunks) -> {task: section}``."""
+    """lm-eval tasks run with each validation (engine.evaluation.in_loop): ``tasks(chunks) -> {task: {metric:
+    value, metric_stderr: stderr}}``, the fields of its metrics line."""
 
 
 class Trainer:
@@ -514,10 +515,8 @@ class Trainer:
         t = time.time()
         sections = self.tasks(self.chunks)
         took = time.time() - t
-        for task, sec in sections.items():
-            values = {k: m["value"] for k, m in sec["metrics"].items()}
-            errors = {f"{k}_stderr": m["stderr"] for k, m in sec["metrics"].items()}
-            line = {"kind": "eval_task", "step": step, "task": task, **values, **errors, "eval_task_s": took}
+        for task, fields in sections.items():
+            line = {"kind": "eval_task", "step": step, "task": task, **fields, "eval_task_s": took}
             self.metrics.write(line)
             self.callbacks.emit("on_eval", step, line)
 

@@ -22,6 +22,13 @@ POLL_FLOOR_S = 0.5
 """The shortest poll interval: one scheduler query per poll for all trials, never more often than this."""
 
 
+def task_objective(objective: str) -> tuple[str, str, str] | None:
+    """(stage, task, metric) of an objective ``<stage>.task.<task>.<metric>``; None for any other form."""
+    stage, _, name = objective.partition(".")
+    task, _, metric = name.removeprefix("task.").partition(".")
+    return (stage, task, metric) if name.startswith("task.") and task and metric else None
+
+
 @dataclass
 class SearchConfig:
     """Hyperparameter search: Optuna samplers and pruners over the searched keys of a ``-m`` sweep."""
@@ -64,8 +71,7 @@ class SearchConfig:
             if not name:
                 fail("objective", self.objective, "eval.<metric>: name a metric of eval's results.json")
             return
-        task, _, metric = name.removeprefix("task.").partition(".")
-        if stage in TRAIN_STAGES and name.startswith("task.") and task and metric:
+        if stage in TRAIN_STAGES and task_objective(self.objective):
             return
         if stage not in TRAIN_STAGES or name not in STAGE_OBJECTIVES:
             fail(

@@ -146,8 +146,8 @@ def objective_value(objective: str, run_dir: Path) -> float | None:
             return None
         value = _lookup(json.loads(path.read_text()), name)
         return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-    if name.startswith("task."):  # <stage>.task.<task>.<metric>: the end-of-training value
-        task, _, metric = name.removeprefix("task.").partition(".")
+    if (in_loop := schema.task_objective(objective)) is not None:  # the end-of-training value
+        _, task, metric = in_loop
         return _final(task_values(run_dir / "stages" / stage / "metrics.jsonl", task, metric))
     return STAGE_OBJECTIVES[name](valid_losses(run_dir / "stages" / stage / "metrics.jsonl"))
 
@@ -165,8 +165,9 @@ def _lookup(data: Any, dotted: str) -> Any:
 def check_objective(cfg: PipelineConfig) -> None:
     """The objective's and prune stage's stages run in every trial (else nothing would score it)."""
     sc = cfg.search
-    stage, _, name = sc.objective.partition(".")
-    task = name.removeprefix("task.").partition(".")[0] if name.startswith("task.") else None
+    stage = sc.objective.partition(".")[0]
+    in_loop = schema.task_objective(sc.objective)
+    task = in_loop[1] if in_loop else None
     st = cfg.stage(stage) if stage in cfg.run.stages else None
     if task is not None and isinstance(st, TrainStage) and task not in st.eval_tasks:
         raise ConfigError(

@@ -69,13 +69,23 @@ def run_eval_stage(tmp_path: Path, cfg: Any, run: Path, env: dict[str, str] | No
     return proc
 
 
-def test_eval_writes_results_for_each_model(tmp_path: Path) -> None:
+def small_config(tmp_path: Path, task_examples: int = 6, perplexity_batches: int = 2) -> Any:
+    """The tiny config on a corpus written under ``tmp_path``, with a 2-layer 64-wide model and a small eval."""
     corpus = tmp_path / "corpus"
     write_corpus(corpus)
     cfg = tiny_config(corpus)
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length = 2, 64, 64
-    cfg.eval.num_task_examples, cfg.eval.perplexity_batches, cfg.eval.batch_size = 6, 2, 4
+    cfg.eval.num_task_examples, cfg.eval.perplexity_batches, cfg.eval.batch_size = (
+        task_examples,
+        perplexity_batches,
+        4,
+    )
     cfg.eval.max_new_tokens, cfg.eval.threads = 3, 1
+    return cfg
+
+
+def test_eval_writes_results_for_each_model(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
     run = tmp_path / "run"
     run_prep(cfg, run / "stages" / "data_prep")
     proc = run_eval_stage(tmp_path, cfg, run)

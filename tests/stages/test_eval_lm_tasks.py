@@ -7,24 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.schema.config import PipelineConfig
-from tests.stages.test_eval import run_eval_stage
+from tests.stages.test_eval import run_eval_stage, small_config
 from tests.support.lm_tasks import write_tasks
-from tests.support.prep import run_prep, tiny_config, write_corpus
-
-
-def small_config(tmp_path: Path) -> PipelineConfig:
-    corpus = tmp_path / "corpus"
-    write_corpus(corpus)
-    cfg = tiny_config(corpus)
-    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length = 2, 64, 64
-    cfg.eval.num_task_examples, cfg.eval.perplexity_batches, cfg.eval.batch_size = 2, 1, 4
-    cfg.eval.max_new_tokens, cfg.eval.threads = 3, 1
-    return cfg
+from tests.support.prep import run_prep
 
 
 def test_eval_runs_lm_eval_tasks_for_each_model(tmp_path: Path) -> None:
-    cfg = small_config(tmp_path)
+    cfg = small_config(tmp_path, task_examples=2, perplexity_batches=1)
     cfg.eval.models = ["pretrain", "sft"]
     tasks = write_tasks(tmp_path / "tasks")
     cfg.eval.tasks, cfg.eval.task_paths = ["local_mc", "local_gen"], [str(tasks)]
@@ -63,7 +52,7 @@ def test_eval_runs_lm_eval_tasks_for_each_model(tmp_path: Path) -> None:
 
 
 def test_eval_applies_the_runs_chat_template_to_lm_eval_prompts(tmp_path: Path) -> None:
-    cfg = small_config(tmp_path)
+    cfg = small_config(tmp_path, task_examples=2, perplexity_batches=1)
     cfg.eval.models = ["pretrain"]
     cfg.eval.tasks, cfg.eval.task_paths = ["local_mc"], [str(write_tasks(tmp_path / "tasks"))]
     cfg.eval.limit, cfg.eval.num_fewshot, cfg.eval.log_samples, cfg.eval.apply_chat_template = (
