@@ -7,6 +7,7 @@ with other work: stage times vary by a factor of 3). ``experiment=tiny`` with ch
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from tests.support.slurm_helpers import (
     pipeline,
     run_dirs,
     sacct,
+    sacct_ends,
     submitted,
     wait_sacct,
     wait_settled,
@@ -231,13 +233,17 @@ def test_cancel_stops_running_and_queued_jobs(cluster, tmp_path):
     jobs = submitted(r.stdout)
     metrics = run_dir / "stages" / "pretrain" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.read_text().strip(), 300, lambda: str(run_status(run_dir)))
+    t_cancel = math.floor(time.time())  # sacct's end times are whole seconds
     c = pipeline(cluster, str(run_dir), module="pipeline.cancel")
     assert c.returncode == 0 and "cancelled: pretrain, sft" in c.stdout, fail_text(c)
+    # a run SLURM requeued before the cancel (a loaded machine) is not the cancel's doing: only later runs count
+    before = {s: [r for r in sacct_ends(cluster, jobs[s]) if r[1] < t_cancel] for s in ("pretrain", "sft")}
     for s in ("pretrain", "sft"):
-        wait_sacct(cluster, jobs[s], ["CANCELLED"])
+        wait_sacct(cluster, jobs[s], [r[0] for r in before[s]] + ["CANCELLED"], run_dir=run_dir)
     wait_for(lambda: all(cluster.squeue(j) is None for j in jobs.values()), 120, lambda: "jobs still listed")
     views = {v.stage: v for v in run_status(run_dir)}
     assert views["pretrain"].state == views["sft"].state == "cancelled", views
-    assert not events(run_dir, "requeued", "pretrain")  # the stop signal did not turn into a requeue
+    late = [e for e in events(run_dir, "requeued", "pretrain") if e["time"] >= t_cancel]
+    assert not late, late  # the stop signal did not turn into a requeue
     st = pipeline(cluster, str(run_dir), module="pipeline.status")
     assert st.returncode == 1 and re.search(r"^sft\s+cancelled", st.stdout, flags=re.M), st.stdout

@@ -6,9 +6,12 @@ session cluster with its variables in os.environ) is registered in tests/conftes
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +98,43 @@ def sacct(cluster: Any, job_id: str, field: str = "State") -> list[str]:
     return [ln.split()[0] for ln in out.splitlines() if ln.strip()]
 
 
-def wait_sacct(cluster: Any, job_id: str, runs: list[str], deadline_s: float = 120) -> None:
-    """Poll until sacct shows exactly ``runs``: the ledger says completed a moment before the job exits."""
-    wait_for(
-        lambda: sacct(cluster, job_id) == runs, deadline_s, lambda: f"job {job_id}: {sacct(cluster, job_id)}"
-    )
+def sacct_ends(cluster: Any, job_id: str) -> list[tuple[str, float]]:
+    """(state, end time as epoch seconds; inf while it runs) per run of the job, oldest first."""
+    out = cluster.run("sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State,End").stdout
+    runs = []
+    for ln in out.splitlines():
+        if "|" in ln:
+            state, _, end = ln.partition("|")
+            try:
+                t = datetime.fromisoformat(end.strip()).timestamp()
+            except ValueError:  # "Unknown": not ended
+                t = math.inf
+            runs.append((state.split()[0], t))
+    return runs
+
+
+def wait_sacct(
+    cluster: Any, job_id: str, runs: list[str], deadline_s: float = 120, run_dir: Path | None = None
+) -> None:
+    """Poll until sacct shows exactly ``runs``: the ledger says completed a moment before the job exits.
+    With ``run_dir`` a failure also prints the run's events and its job logs' tails (what happened, and when)."""
+
+    def describe() -> str:
+        rows = cluster.run(
+            "sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State,Reason,Start,End,NodeList"
+        )
+        text = f"job {job_id}: {sacct(cluster, job_id)}\n{rows.stdout}"
+        return text + (f"\n{run_story(run_dir)}" if run_dir else "")
+
+    wait_for(lambda: sacct(cluster, job_id) == runs, deadline_s, describe)
+
+
+def run_story(run_dir: Path, tail: int = 40) -> str:
+    """The run's ledger events (one line each) and the last ``tail`` lines of every job log."""
+    lines = [json.dumps(e, default=str)[:400] for e in Ledger(run_dir).events()]
+    for log in sorted((run_dir / "jobs").rglob("*_log.*")):
+        lines += [f"--- {log.relative_to(run_dir)}", *log.read_text(errors="replace").splitlines()[-tail:]]
+    return "\n".join(lines)
 
 
 def hostnames(cluster: Any, nodelist: str) -> list[str]:
