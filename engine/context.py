@@ -61,6 +61,9 @@ class StageContext:
     faults: str = ""
     """Fault-injection specs for tests and drills (engine.runtime.fault_injection; the launcher reads
     ``PIPELINE_FAULT``); empty: none."""
+    part: str | None = None
+    """The one piece of the stage this job runs (pipeline.schema.graph ``Stage.parts``; eval: one model of
+    ``eval.models``), its result going to pipeline.records.parts; None: the stage's own job."""
 
     @property
     def rank(self) -> int:

@@ -39,6 +39,10 @@ under ``<stage>/checkpoints`` is loaded (weights only) into one model built from
                       (when the reward_model stage is in run.stages or eval.models)
     }
 
+With two or more models each is scored by a job of its own (``ctx.part``: pipeline.schema.graph ``Stage.parts``)
+that writes only its part result (pipeline.records.parts); this stage's own job gathers them, taking a model's
+result while the checkpoint it scored is still the newest, and scores the rest itself.
+
 One ``{"kind": "eval", "model", "perplexity", "task_accuracy", "pref_accuracy"}`` line per model goes to
 ``metrics.jsonl`` (and with ``eval.tasks`` one ``{"kind": "eval_task", "model", "task", "<metric>",
 "<metric>_stderr", ...}`` line per model and lm-eval task), and a comparison table is printed.
@@ -51,7 +55,6 @@ backend (engine.evaluation) with the run's tokenizer, ``model.seq_length`` token
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -59,12 +62,13 @@ from typing import Any
 
 import numpy as np
 
-from engine.context import STAGE_EVENTS, MetricsWriter, StageContext
-from pipeline.records.files import atomic_write_text
+from engine.context import STAGE_EVENTS, StageContext
+from pipeline.records.parts import read_part, write_part
 from pipeline.schema.config import PipelineConfig
+from pipeline.schema.identity import stage_hashes
 from stages import tasks
+from stages.eval_output import RESULTS, format_table, write_results
 
-RESULTS = "results.json"
 SAMPLES = "lm_eval_samples"
 """Folder of lm-eval's per-document samples (``eval.log_samples``), one subfolder per model."""
 NUM_SAMPLES = 5
@@ -73,7 +77,6 @@ NUM_SAMPLES = 5
 
 def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     from engine.data.datasets import load_tokenizer, read_manifest
-    from engine.models.gpt import build_model
     from engine.runtime import distributed as D
 
     if "data_prep" not in ctx.inputs:
@@ -85,12 +88,13 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     try:
         tok = load_tokenizer(data / "tokenizer.json")
         sets = _load_sets(data, tok, cfg)
-        chunks = build_model(cfg.model, ev.parallel, tok.vocab_size)
-        chunks[0].eval()
-        results, skipped = _eval_models(cfg, ctx, chunks, tok, sets)
-        reward = _eval_reward_model(ctx, cfg, tok, sets, skipped)
+        model = _Lazy(lambda: _build(cfg, tok))
+        results, skipped = _eval_models(cfg, ctx, model, tok, sets)
+        reward = None if ctx.part else _eval_reward_model(ctx, cfg, tok, sets, skipped)
     finally:
         D.shutdown()
+    if ctx.part:  # one model's job: its result is the part file; the stage's own job gathers them
+        return {"part": ctx.part, "models": {k: _summary(v) for k, v in results.items()}, "skipped": skipped}
 
     out = {
         "format": 1,
@@ -118,7 +122,7 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     if reward is not None:
         out["reward_model"] = reward
     if D.is_rank0():
-        _write_results(ctx, out)
+        write_results(ctx, out)
         print(format_table(out), flush=True)
     summary = {k: _summary(v) for k, v in results.items()}
     if reward is not None:
@@ -141,6 +145,14 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     }
 
 
+def _build(cfg: PipelineConfig, tok: Any) -> list[Any]:
+    from engine.models.gpt import build_model
+
+    chunks = build_model(cfg.model, cfg.eval.parallel, tok.vocab_size)
+    chunks[0].eval()
+    return chunks
+
+
 def _summary(r: dict[str, Any]) -> dict[str, Any]:
     """What the ledger keeps of one model's results: its scores and its lm-eval metrics (value and stderr)."""
     out = {m: r[m] for m in ("perplexity", "task_accuracy", "pref_accuracy")}
@@ -150,47 +162,92 @@ def _summary(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def _eval_models(
-    cfg: PipelineConfig, ctx: StageContext, chunks: list[Any], tok: Any, sets: dict[str, Any]
+    cfg: PipelineConfig, ctx: StageContext, model: _Lazy, tok: Any, sets: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """Each model of ``eval.models`` loaded into ``chunks`` in turn and scored (and run on ``eval.tasks``)."""
+    """Each model of ``eval.models`` (a part's job: its one model) scored and run on ``eval.tasks``, one at a
+    time in the weights of ``model``; a model whose part result is on disk for this config and checkpoint is
+    taken from it (its own job scored it), every model scored here leaves one (a re-run redoes only the rest)."""
+    from engine.runtime import distributed as D
+
+    identity = stage_hashes(cfg)["eval"]
+    wanted = [ctx.part] if ctx.part else list(cfg.eval.models)
+    # read before any scoring, on every rank alike: rank 0 writes results as it goes
+    done = {} if ctx.part else {m: read_part(ctx.out_dir, m, identity) for m in wanted}
+    manager = _Lazy(lambda: _task_manager(cfg))
+    results: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for m in wanted:
+        got = done.get(m)
+        if got is None or not _current(got, ctx, m):
+            got = _eval_one(cfg, ctx, model, tok, sets, m, manager)
+            if D.is_rank0():
+                write_part(ctx.out_dir, m, identity, got)
+        if "skipped" in got:
+            skipped[m] = got["skipped"]
+        else:
+            results[m] = got["model"]
+    return results, skipped
+
+
+def _current(got: dict[str, Any], ctx: StageContext, m: str) -> bool:
+    """A part result still stands: an ``hf:`` model's always, a stage's while its newest checkpoint is the
+    one it scored (a model reported skipped is looked at again)."""
+    from engine.checkpoint.latest import find_latest
+
+    if "model" not in got:
+        return False
+    if m.startswith("hf:"):
+        return True
+    ckpt = find_latest(Path(ctx.inputs[m]) / "checkpoints") if m in ctx.inputs else None
+    return ckpt is not None and got["model"].get("checkpoint") == str(ckpt)
+
+
+def _eval_one(
+    cfg: PipelineConfig,
+    ctx: StageContext,
+    model: _Lazy,
+    tok: Any,
+    sets: dict[str, Any],
+    stage: str,
+    manager: _Lazy,
+) -> dict[str, Any]:
+    """One model's scores as a part result: ``{"model": {...}}``, or ``{"skipped": reason}``."""
     from engine.checkpoint.latest import find_latest
     from engine.checkpoint.load import load_weights
     from pipeline.schema.hf_arch import parse_ref
 
-    results: dict[str, Any] = {}
-    skipped: dict[str, str] = {}
-    manager = _task_manager(cfg)
-    run_chat = _chat(cfg, tok, None)
-    for stage in cfg.eval.models:
-        stops = list(sets.get("stop_tokens") or [tok.eod])
-        chat = run_chat
-        if stage.startswith("hf:"):  # a Hugging Face directory, scored as it is (e.g. the base model)
-            from engine.evaluation.load import hf_stop_tokens
+    stops = list(sets.get("stop_tokens") or [tok.eod])
+    chat = _chat(cfg, tok, None)
+    if stage.startswith("hf:"):  # a Hugging Face directory, scored as it is (e.g. the base model)
+        from engine.evaluation.load import hf_stop_tokens
 
-            hf_dir = parse_ref(stage) or Path(stage)
-            stops += hf_stop_tokens(hf_dir)
-            chat = _chat(cfg, tok, hf_dir)
-            results[stage] = {
-                "checkpoint": stage[3:],
-                "iteration": None,
-                **_eval_hf(chunks, stage, tok, sets, cfg),
-            }
-        elif stage not in ctx.inputs:
-            skipped[stage] = "not in this run"
-            continue
-        elif (ckpt := find_latest(Path(ctx.inputs[stage]) / "checkpoints")) is None:
-            skipped[stage] = f"no verified checkpoint under {ctx.inputs[stage]}/checkpoints"
-            continue
-        else:
-            load_weights(ckpt, chunks)
-            results[stage] = {
-                "checkpoint": str(ckpt),
-                "iteration": _iteration(ckpt),
-                **evaluate(chunks[0], tok, sets, cfg),
-            }
-        if manager is not None:
-            results[stage]["lm_eval"] = _lm_eval(cfg, ctx, chunks, tok, stops, stage, manager, chat)
-    return results, skipped
+        hf_dir = parse_ref(stage) or Path(stage)
+        stops += hf_stop_tokens(hf_dir)
+        chat = _chat(cfg, tok, hf_dir)
+        out = {"checkpoint": stage[3:], "iteration": None, **_eval_hf(model(), stage, tok, sets, cfg)}
+    elif stage not in ctx.inputs:
+        return {"skipped": "not in this run"}
+    elif (ckpt := find_latest(Path(ctx.inputs[stage]) / "checkpoints")) is None:
+        return {"skipped": f"no verified checkpoint under {ctx.inputs[stage]}/checkpoints"}
+    else:
+        load_weights(ckpt, model())
+        out = {"checkpoint": str(ckpt), "iteration": _iteration(ckpt), **evaluate(model()[0], tok, sets, cfg)}
+    if cfg.eval.tasks:
+        out["lm_eval"] = _lm_eval(cfg, ctx, model(), tok, stops, stage, manager(), chat)
+    return {"model": out}
+
+
+class _Lazy:
+    """A value built on first use (the model's chunks, lm-eval's task manager): a gathering job whose models
+    were all scored by their own jobs builds neither."""
+
+    def __init__(self, build: Any) -> None:
+        self._build, self._value, self._built = build, None, False
+
+    def __call__(self) -> Any:
+        if not self._built:
+            self._value, self._built = self._build(), True
+        return self._value
 
 
 def _chat(cfg: PipelineConfig, tok: Any, hf_dir: Path | None) -> Any:
@@ -456,74 +513,3 @@ def generate(
 def _iteration(ckpt: Path) -> int | None:
     m = re.search(r"iter_(\d+)$", str(ckpt))
     return int(m.group(1)) if m else None
-
-
-# ---------------------------------------------------------------------------- output
-
-
-def _write_results(ctx: StageContext, out: dict[str, Any]) -> None:
-    from engine.evaluation.tasks import metric_fields
-
-    atomic_write_text(Path(ctx.out_dir) / RESULTS, json.dumps(out, indent=2) + "\n")
-    metrics = MetricsWriter(ctx.metrics_path)
-    if "reward_model" in out:
-        metrics.write(
-            {"kind": "eval", "model": "reward_model", "pref_accuracy": out["reward_model"]["pref_accuracy"]}
-        )
-    for stage, r in out["models"].items():
-        metrics.write(
-            {
-                "kind": "eval",
-                "model": stage,
-                "perplexity": r["perplexity"],
-                "task_accuracy": r["task_accuracy"],
-                "pref_accuracy": r["pref_accuracy"],
-            }
-        )
-        for task, sec in r.get("lm_eval", {}).items():
-            metrics.write({"kind": "eval_task", "model": stage, "task": task, **metric_fields(sec)})
-
-
-def format_table(out: dict[str, Any]) -> str:
-    """The models side by side: perplexity, task accuracy, preference accuracy."""
-
-    d = out["data"]
-    lines = [
-        f"eval on {d['valid_tokens']} valid tokens, {d['task_examples']} task prompts, {d['pref_pairs']} preference pairs",
-        f"{'model':<10} {'iter':>6} {'ppl':>9} {'task acc':>9} {'pref acc':>9}",
-    ]
-
-    def cell(value: float | None, fmt: str) -> str:
-        return f"{'-' if value is None else format(value, fmt):>9}"
-
-    for stage, r in out["models"].items():
-        lines.append(
-            f"{stage:<10} {r['iteration'] or 0:>6} {cell(r['perplexity'], '.2f')} "
-            f"{cell(r['task_accuracy'], '.1%')} {cell(r['pref_accuracy'], '.1%')}"
-        )
-    if "reward_model" in out:
-        r = out["reward_model"]
-        lines.append(
-            f"{'reward_model':<12} {r['iteration'] or 0:>4} {'':>9} {'':>9} {cell(r['pref_accuracy'], '.1%')}"
-        )
-    for stage, why in out["skipped"].items():
-        lines.append(f"{stage:<10} skipped: {why}")
-    return "\n".join(lines + _task_lines(out))
-
-
-def _task_lines(out: dict[str, Any]) -> list[str]:
-    """lm-eval's task metrics of every model, value +- standard error (none when no task was run)."""
-    rows = [
-        (stage, task, name, m)
-        for stage, r in out["models"].items()
-        for task, sec in r.get("lm_eval", {}).items()
-        for name, m in sec["metrics"].items()
-    ]
-    if not rows:
-        return []
-    lines = [f"{'model':<10} {'task':<20} {'metric':<24} {'value':>9} {'stderr':>9}"]
-    for stage, task, name, m in rows:
-        value = "-" if m["value"] is None else f"{m['value']:.4f}"
-        err = "" if m["stderr"] is None else f"± {m['stderr']:.4f}"
-        lines.append(f"{stage:<10} {task:<20} {name:<24} {value:>9} {err:>9}")
-    return lines

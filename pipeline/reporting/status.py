@@ -15,7 +15,7 @@ from pipeline.records.alarm_log import format_alarm, read_alarms
 from pipeline.records.causes import Evidence, classify, read_logs
 from pipeline.records.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, Ledger, StageRecord, accounting
 from pipeline.schema.graph import STAGES, upstream
-from pipeline.slurm.queries import job_state
+from pipeline.slurm.queries import ALIVE_STATES, job_state
 
 BLOCKED = "blocked"
 """Shown for a stage that will never run because an upstream stage failed (its job cancelled or pending)."""
@@ -51,12 +51,24 @@ def view(rec: StageRecord | None, stage: str) -> StageView:
     state, reason, runs = job_state(rec.job_ids[-1])
     v.requeues = max(v.requeues, runs - 1)
     _apply_slurm_state(v, rec, state, reason, runs)
+    if v.state == BLOCKED and rec.extra.get("parts"):
+        v.detail = _parts_detail(rec.extra["parts"]) or v.detail
     if v.state == FAILED and not any(f.get("attempt") == rec.attempts for f in rec.failures):
         logs = read_logs(Path(rec.log).parent) if rec.log else ""  # the job could not say why: SLURM can
         v.causes.append(
             format_failure({"attempt": rec.attempts, "seen_by": "scheduler", **_slurm_cause(state, logs)})
         )
     return v
+
+
+def _parts_detail(parts: dict[str, str]) -> str:
+    """Which of a stage's part jobs (pipeline.schema.graph ``Stage.parts``) keep its own job from running."""
+    bad = {p: job_state(j)[0] for p, j in parts.items()}
+    bad = {p: st for p, st in bad.items() if st not in ALIVE_STATES and st != "COMPLETED"}
+    if not bad:
+        return ""
+    named = ", ".join(f"{p} (job {parts[p]}: {st})" for p, st in bad.items())
+    return f"will not run: part {named} did not complete; re-run the same command to redo only those"
 
 
 def _slurm_cause(state: str, logs: str) -> dict[str, str]:

@@ -19,6 +19,7 @@ from pipeline.schema.errors import ConfigError
 from pipeline.schema.rl import reads_reward_model
 
 Reads = Callable[[Any, tuple[str, ...]], tuple[str, ...]]
+Parts = Callable[[Any], tuple[tuple[str, tuple[str, ...]], ...]]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class Stage:
     shared: bool = False
     """Its outputs depend only on the data identity (pipeline.schema.data_identity): one copy per identity under
     ``run.root``, linked into each run, prepared by the first job that needs it and reused by the others."""
+    parts: Parts | None = None
+    """``parts(cfg) -> ((part, upstream stages it reads), ...)``: pieces of the stage that run as jobs of their
+    own before the stage's job (eval: one per model), each after only the stages it reads; the stage's job then
+    gathers them (``StageContext.part`` tells a job which piece it runs; None: the stage's own job)."""
 
 
 def _rlhf_reads(cfg: Any, ups: tuple[str, ...]) -> tuple[str, ...]:
@@ -61,6 +66,16 @@ def _eval_reads(cfg: Any, ups: tuple[str, ...]) -> tuple[str, ...]:
     """eval reads the stages it scores: ``eval.models``, and the reward model when it is in the run."""
     scored = set(cfg.eval.models) | ({"reward_model"} & set(cfg.run.stages))
     return tuple(u for u in ups if u == "data_prep" or u in scored)
+
+
+def _eval_parts(cfg: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """One eval job per model when there are two or more to score: a stage model after its own stage, an
+    ``hf:`` directory after data_prep alone (models not in the run are left to the gathering job to report)."""
+    reads = required("eval", cfg)
+    models = [m for m in cfg.eval.models if m.startswith("hf:") or m in reads]
+    if len(models) < 2:
+        return ()
+    return tuple((m, ("data_prep",) if m.startswith("hf:") else ("data_prep", m)) for m in models)
 
 
 def _export_reads(cfg: Any, ups: tuple[str, ...]) -> tuple[str, ...]:
@@ -81,6 +96,7 @@ REGISTRY: tuple[Stage, ...] = (
         ("data_prep", "pretrain", "sft", "reward_model", "rlhf"),
         section="EvalStage",
         reads=_eval_reads,
+        parts=_eval_parts,
     ),
     Stage(
         "export",
@@ -153,6 +169,12 @@ def required(stage: str, cfg: Any) -> tuple[str, ...]:
     if s.reads is not None:
         return s.reads(cfg, s.upstream)
     return _default_reads(stage, cfg, s.upstream)
+
+
+def parts(stage: str, cfg: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The pieces of ``stage`` that run as jobs of their own under ``cfg`` (Stage.parts; none for most)."""
+    s = spec(stage)
+    return s.parts(cfg) if s.parts is not None else ()
 
 
 def hash_upstream(stage: str, cfg: Any) -> tuple[str, ...]:

@@ -33,9 +33,10 @@ from pipeline.records.ledger import (
     Ledger,
     StageRecord,
 )
+from pipeline.records.parts import read_part
 from pipeline.schema.build import from_dict
 from pipeline.schema.config import PipelineConfig
-from pipeline.schema.graph import spec, upstream
+from pipeline.schema.graph import parts, spec, upstream
 from pipeline.schema.identity import stage_hashes
 from pipeline.schema.layout import ParallelPlan, stage_plan
 from pipeline.slurm.job_env import (  # noqa: F401  (free_port re-exported)
@@ -176,6 +177,19 @@ def sbatch_script(cfg: PipelineConfig, stage: str, run_dir: Path, code_dir: Path
     return str(ex._make_submission_file_text(ex._submitit_command_str, "dry-run"))
 
 
+def pending_parts(
+    cfg: PipelineConfig, run_dir: Path, stage: str, submitting: list[str]
+) -> list[tuple[str, tuple[str, ...]]]:
+    """``stage``'s parts (pipeline.schema.graph.parts) to run now: those without a result for this config,
+    and every one that reads a stage run again in this submission. The others are reported as skipped."""
+    identity, out_dir = stage_hashes(cfg)[stage], stage_out_dir(run_dir, stage)
+    return [
+        (part, reads)
+        for part, reads in parts(stage, cfg)
+        if set(reads) & set(submitting) or read_part(out_dir, part, identity) is None
+    ]
+
+
 def mark_submitted(
     cfg: PipelineConfig, ledger: Ledger, stage: str, executor: str, **fields: Any
 ) -> StageRecord:
@@ -250,9 +264,14 @@ def export_job_env(environ: MutableMapping[str, str], dist: DistEnv) -> None:
 
 
 def run_stage(
-    stage: str, cfg_dict: dict[str, Any], run_dir: str, master_port: int | None = None
+    stage: str,
+    cfg_dict: dict[str, Any],
+    run_dir: str,
+    master_port: int | None = None,
+    part: str | None = None,
 ) -> dict[str, Any]:
-    """Job entry point on every rank: set up the distributed environment, run the stage, mark the ledger.
+    """Job entry point on every rank: set up the distributed environment, run the stage (or one of its
+    ``part``s: pipeline.schema.graph ``Stage.parts``), mark the ledger.
 
     The job's facts (its place, attempt, restarts, fault specs) are read here once and handed to the stage
     in its StageContext; nothing below reads them from the environment."""
@@ -264,7 +283,11 @@ def run_stage(
     rank, world = dist.rank, dist.world_size
     ledger = Ledger(Path(run_dir))
     local_group = cfg.cluster.executor == "local" and world > 1
-    attempt = _mark_started(ledger, stage, job_id, dist) if rank == 0 else 0
+    attempt = 0
+    if rank == 0 and part is None:
+        attempt = _mark_started(ledger, stage, job_id, dist)
+    elif rank == 0:
+        ledger.event("part_started", stage, part=part, job_id=job_id, restarts=restart_count())
     try:
         ctx = stage_context(
             stage,
@@ -274,16 +297,21 @@ def run_stage(
             on_hang=(partial(_record_hang, ledger, stage),) + ((end_local_job,) if local_group else ()),
             dist=dist,
             faults=os.environ.get(FAULT_ENV, ""),
+            part=part,
         )
         out = _call_stage(stage, cfg, ctx)
     except BaseException as e:
         if rank == 0:
             forward_alarms(ledger, stage)
-            _record_failure(ledger, stage, cfg, e)
+            (_record_failure if part is None else partial(_record_part_failure, part=part))(
+                ledger, stage, cfg, e
+            )
         if local_group and not _is_preempted(e):
             end_local_job()
         raise
-    if rank == 0:
+    if rank == 0 and part is not None:
+        ledger.event("part_completed", stage, part=part)
+    elif rank == 0:
         forward_alarms(ledger, stage)
         from pipeline.records.ledger import accounting
 
@@ -403,6 +431,25 @@ def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseExce
     ledger.event("failed", stage, error=err, traceback=traceback.format_exc(limit=20))
 
 
+def _record_part_failure(
+    ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseException, part: str
+) -> None:
+    """A part's job did not finish: requeue it while requeues are left (a stop signal always), else the stage
+    failed, naming the part (its gathering job will not run; a re-run redoes only the parts without a result)."""
+    err = f"{type(e).__name__}: {e}"
+    rec = ledger.read(stage)
+    if rec and rec.status == CANCELLED:
+        ledger.event("stopped", stage, part=part, error=err, reason="cancelled")
+        return
+    preempted = _is_preempted(e)
+    if (preempted or restart_count() < cfg.cluster.max_requeues) and requeue_self(f"part {part}: {err}"):
+        ledger.event("part_requeued", stage, part=part, error=err)
+        return
+    ledger.add_failure(stage, classify(from_exception(e)), "job")
+    ledger.update(stage, status=FAILED, ended_at=time.time(), error=f"part {part!r} failed: {err}")
+    ledger.event("part_failed", stage, part=part, error=err, traceback=traceback.format_exc(limit=20))
+
+
 def stage_context(
     stage: str,
     cfg: PipelineConfig,
@@ -411,6 +458,7 @@ def stage_context(
     on_hang: tuple[Callable[[], None], ...] = (),
     dist: DistEnv | None = None,
     faults: str = "",
+    part: str | None = None,
 ) -> StageContext:
     """What the job hands its stage besides the config: paths, plan, and the job's facts (ledger attempt,
     SLURM restarts, whether it may requeue itself, what a hung rank calls before it exits, its place in the
@@ -430,6 +478,7 @@ def stage_context(
         on_hang=on_hang,
         dist=dist,
         faults=faults,
+        part=part,
     )
 
 

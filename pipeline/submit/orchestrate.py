@@ -17,7 +17,7 @@ from pipeline.records import progress
 from pipeline.records.causes import Evidence, classify, read_logs
 from pipeline.records.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, STOPPED, Ledger, StageRecord
 from pipeline.schema.config import PipelineConfig
-from pipeline.schema.graph import SPECS, dependencies, order, required
+from pipeline.schema.graph import SPECS, dependencies, order, parts, required
 from pipeline.schema.identity import run_dir_for, stage_hashes
 from pipeline.schema.layout import stage_plan
 from pipeline.submit import prefork
@@ -25,6 +25,7 @@ from pipeline.submit.launch import (
     free_port,
     make_executor,
     mark_submitted,
+    pending_parts,
     run_stage,
     sbatch_script,
     stage_out_dir,
@@ -133,6 +134,12 @@ def execute(cfg: PipelineConfig, *, out: TextIO | None = None) -> int:
     try:
         for s in d.submit:
             python = server.python if server and SPECS[s].torch else None
+            todo = dict(pending_parts(cfg, run_dir, s, d.submit))
+            for part, _ in parts(s, cfg):  # one job per part, then the stage's own job gathers them
+                if part in todo:
+                    _run_one_local(cfg, s, run_dir, ledger, out, python=python, part=part)
+                else:
+                    print(f"[{s}:{part}] done earlier with the same config: skipped", file=out)
             _run_one_local(cfg, s, run_dir, ledger, out, python=python)
     finally:
         if server:
@@ -149,17 +156,25 @@ def _start_prefork(cfg: PipelineConfig, run_dir: Path, stages: list[str]) -> pre
 
 
 def _run_one_local(
-    cfg: PipelineConfig, stage: str, run_dir: Path, ledger: Ledger, out: TextIO, python: str | None = None
+    cfg: PipelineConfig,
+    stage: str,
+    run_dir: Path,
+    ledger: Ledger,
+    out: TextIO,
+    python: str | None = None,
+    part: str | None = None,
 ) -> None:
+    """Run one local job (the stage's, or one ``part`` of it) and wait for it, following its metrics."""
     ex = make_executor(cfg, stage, run_dir, python=python)
     port = free_port()
     mark_submitted(cfg, ledger, stage, cfg.cluster.executor)
-    job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), port)
+    job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), port, part)
     rec = ledger.read(stage)
     extra = {**(rec.extra if rec else {}), "job_start": _process_start(str(job.job_id))}
     ledger.update(stage, job_ids=[str(job.job_id)], log=str(job.paths.stdout), extra=extra)
-    ledger.event("submitted", stage, job_id=str(job.job_id))
-    follower = progress.Follower(stage, stage_out_dir(run_dir, stage) / "metrics.jsonl", out=out)
+    ledger.event("submitted", stage, job_id=str(job.job_id), **({"part": part} if part else {}))
+    label = f"{stage}:{part}" if part else stage
+    follower = progress.Follower(label, stage_out_dir(run_dir, stage) / "metrics.jsonl", out=out)
     try:
         if cfg.cluster.executor == "debug":
             job.results()
@@ -183,7 +198,8 @@ def _run_one_local(
         if rec and rec.status != CANCELLED:  # every rank's log: what rank 0 alone may not have seen
             ledger.add_failure(stage, classify(Evidence(log=read_logs(job.paths.folder))), "submitter")
         reason = _diagnose(job.paths.folder) or _last_error(e)
-        raise RunError(f"stage {stage!r} failed: {reason}\n  log: {log or 'see above'}") from None
+        what = f"stage {stage!r}" + (f" (part {part!r})" if part else "")
+        raise RunError(f"{what} failed: {reason}\n  log: {log or 'see above'}") from None
     follower.poll(final=True)
 
 

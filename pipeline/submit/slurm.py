@@ -13,14 +13,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from pipeline.records import progress
 from pipeline.records.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, RUNNING, Ledger
 from pipeline.schema.config import PipelineConfig
-from pipeline.schema.graph import upstream
+from pipeline.schema.graph import parts, upstream
 from pipeline.slurm.queries import ALIVE_STATES, cancel_jobs, job_state, slurm_job_alive  # noqa: F401  (re-exported)
-from pipeline.submit.launch import make_executor, mark_submitted, run_stage, snapshot_code, stage_out_dir
+from pipeline.submit.launch import (
+    make_executor,
+    mark_submitted,
+    pending_parts,
+    run_stage,
+    snapshot_code,
+    stage_out_dir,
+)
 
 
 class SubmitError(RuntimeError):
@@ -93,12 +100,14 @@ def submit_graph(cfg: PipelineConfig, run_dir: Path, stages: list[str], *, out: 
     ledger = Ledger(run_dir)
     code_dir = snapshot_code(run_dir)
     jobs: dict[str, str] = {}
+    spawned: list[str] = []  # the parts' jobs, cancelled with the rest should a later submission fail
     for s in stages:
-        deps = _dependency_ids(s, jobs, ledger)
         try:
-            jobs[s] = _submit_stage(cfg, run_dir, s, code_dir, deps, ledger)
+            pieces = _submit_parts(cfg, run_dir, s, code_dir, jobs, ledger, stages, out, spawned)
+            deps = _dependency_ids(s, jobs, ledger) + list(pieces.values())
+            jobs[s] = _submit_stage(cfg, run_dir, s, code_dir, deps, ledger, pieces)
         except SubmitError as e:
-            _undo(ledger, jobs, s, str(e))
+            _undo(ledger, jobs, s, str(e), spawned)
             raise SubmitError(str(e), submitted=len(jobs)) from None
         print(f"[{s}] submitted job {jobs[s]}" + (f" (afterok:{':'.join(deps)})" if deps else ""), file=out)
     print(f"run directory: {run_dir}\nfollow with: python -m pipeline.status {run_dir}", file=out)
@@ -107,11 +116,49 @@ def submit_graph(cfg: PipelineConfig, run_dir: Path, stages: list[str], *, out: 
     return 0
 
 
-def _dependency_ids(stage: str, jobs: dict[str, str], ledger: Ledger) -> list[str]:
-    """Jobs ``stage`` must wait for: its upstream stages submitted now, or still queued/running from before
-    (``decide`` left those alone: a second command while the first one's jobs run)."""
+def _submit_parts(
+    cfg: PipelineConfig,
+    run_dir: Path,
+    stage: str,
+    code_dir: Path,
+    jobs: dict[str, str],
+    ledger: Ledger,
+    stages: list[str],
+    out: TextIO,
+    spawned: list[str],
+) -> dict[str, str]:
+    """Submit ``stage``'s parts (Stage.parts) that have no result for this config, each after only the stages
+    it reads; a part whose stage runs again in this submission is redone. Returns {part: job id}."""
+    ids: dict[str, str] = {}
+    todo = pending_parts(cfg, run_dir, stage, stages)
+    for part, _ in parts(stage, cfg):
+        if part not in dict(todo):
+            print(f"[{stage}:{part}] done earlier with the same config: skipped", file=out)
+    for part, reads in todo:
+        deps = _dependency_ids(stage, jobs, ledger, among=reads)
+        ex = _executor(cfg, run_dir, stage, code_dir, deps)
+        try:
+            job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), None, part)
+        except (OSError, RuntimeError) as e:
+            raise SubmitError(_rejected(stage, e, part)) from None
+        ids[part] = str(job.job_id)
+        spawned.append(ids[part])
+        ledger.event("submitted", stage, part=part, job_id=ids[part], dependency=deps)
+        print(
+            f"[{stage}:{part}] submitted job {ids[part]}" + (f" (afterok:{':'.join(deps)})" if deps else ""),
+            file=out,
+        )
+    return ids
+
+
+def _dependency_ids(
+    stage: str, jobs: dict[str, str], ledger: Ledger, among: tuple[str, ...] | None = None
+) -> list[str]:
+    """Jobs ``stage`` (or one of its parts: ``among`` its reads) must wait for: its upstream stages submitted
+    now, or still queued/running from before (``decide`` left those alone: a second command while the first
+    one's jobs run)."""
     deps = []
-    for u in upstream(stage):
+    for u in upstream(stage) if among is None else among:
         rec = ledger.read(u)
         if u in jobs:
             deps.append(jobs[u])
@@ -120,45 +167,65 @@ def _dependency_ids(stage: str, jobs: dict[str, str], ledger: Ledger) -> list[st
     return deps
 
 
+def _executor(cfg: PipelineConfig, run_dir: Path, stage: str, code_dir: Path, deps: list[str]) -> Any:
+    ex = make_executor(cfg, stage, run_dir, code_dir)
+    if deps:
+        ex.update_parameters(dependency="afterok:" + ":".join(deps))
+    return ex
+
+
+def _rejected(stage: str, e: BaseException, part: str | None = None, captured: str = "") -> str:
+    msg = _one_line(str(e) or captured or type(e).__name__)
+    what = f"stage {stage!r}" + (f" (part {part!r})" if part else "")
+    return f"sbatch rejected {what}: {msg}; fix: {fix_for(msg)}"
+
+
 def _submit_stage(
-    cfg: PipelineConfig, run_dir: Path, stage: str, code_dir: Path, deps: list[str], ledger: Ledger
+    cfg: PipelineConfig,
+    run_dir: Path,
+    stage: str,
+    code_dir: Path,
+    deps: list[str],
+    ledger: Ledger,
+    pieces: dict[str, str] | None = None,
 ) -> str:
-    """Submit one stage's job (cancelling a leftover of an earlier submission) and record it in the ledger."""
+    """Submit one stage's job (cancelling a leftover of an earlier submission) and record it in the ledger,
+    with the jobs of its ``pieces`` (its parts submitted now) before its own."""
     prev = ledger.read(stage)
     if prev and prev.job_ids:
-        cancel_jobs([j for j in prev.job_ids if slurm_job_alive(j)])  # e.g. dependents left pending
+        old = [j for j in prev.job_ids if j not in (pieces or {}).values()]
+        cancel_jobs([j for j in old if slurm_job_alive(j)])  # e.g. dependents left pending
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):  # submitit echoes sbatch's stderr: we print it once
-            ex = make_executor(cfg, stage, run_dir, code_dir)
-            if deps:
-                ex.update_parameters(dependency="afterok:" + ":".join(deps))
-            job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), None)
+            job = _executor(cfg, run_dir, stage, code_dir, deps).submit(
+                run_stage, stage, cfg.to_dict(), str(run_dir), None
+            )
     except (OSError, RuntimeError) as e:  # submitit's FailedJobError/FailedSubmissionError are RuntimeErrors
-        msg = _one_line(str(e) or captured.getvalue() or type(e).__name__)
-        raise SubmitError(f"sbatch rejected stage {stage!r}: {msg}; fix: {fix_for(msg)}") from None
+        raise SubmitError(_rejected(stage, e, captured=captured.getvalue())) from None
     job_id = str(job.job_id)
+    extra = {"code_dir": str(code_dir), "dependency": deps, "stderr": str(job.paths.stderr)}
     mark_submitted(
         cfg,
         ledger,
         stage,
         "slurm",
-        job_ids=[job_id],
+        job_ids=[*(pieces or {}).values(), job_id],
         log=str(job.paths.stdout),
-        extra={"code_dir": str(code_dir), "dependency": deps, "stderr": str(job.paths.stderr)},
+        extra={**extra, "parts": pieces} if pieces else extra,
     )
     ledger.event("submitted", stage, job_id=job_id, dependency=deps)
     return job_id
 
 
-def _undo(ledger: Ledger, jobs: dict[str, str], failed: str, error: str) -> None:
-    """A stage's submission failed: cancel this submission's jobs and say so in the ledger, so that status
-    reads the run directory and the same command resubmits everything."""
-    cancel_jobs(list(jobs.values()))
+def _undo(ledger: Ledger, jobs: dict[str, str], failed: str, error: str, spawned: list[str]) -> None:
+    """A stage's submission failed: cancel this submission's jobs (stages' and parts') and say so in the
+    ledger, so that status reads the run directory and the same command resubmits everything."""
+    cancel_jobs([*jobs.values(), *spawned])
     for s in jobs:
         ledger.update(s, status=CANCELLED, ended_at=time.time(), error=f"not run: submitting {failed} failed")
     ledger.update(failed, status=FAILED, ended_at=time.time(), error=f"submission failed: {error}")
-    ledger.event("submit_failed", failed, error=error, cancelled=list(jobs.values()))
+    ledger.event("submit_failed", failed, error=error, cancelled=[*jobs.values(), *spawned])
 
 
 def follow(

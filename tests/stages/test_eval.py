@@ -105,3 +105,25 @@ def test_eval_writes_results_for_each_model(tmp_path: Path) -> None:
     assert (a["perplexity"], a["pref_accuracy"]) == (b["perplexity"], b["pref_accuracy"])
     lines = (run / "stages" / "eval" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["model"] for line in lines] == ["pretrain", "sft"]
+
+
+def test_eval_takes_each_models_part_result_while_its_checkpoint_stands(tmp_path: Path) -> None:
+    """Every model scored leaves a part result (pipeline.records.parts); the next eval job takes a model's from
+    there while the checkpoint it scored is still the newest, and scores it again otherwise."""
+    from pipeline.records.parts import part_file
+
+    cfg = small_config(tmp_path, task_examples=2, perplexity_batches=1)
+    run = tmp_path / "run"
+    run_prep(cfg, run / "stages" / "data_prep")
+    run_eval_stage(tmp_path, cfg, run)
+    out = run / "stages" / "eval"
+    first = json.loads((out / "results.json").read_text())["models"]
+    for model, change in (("sft", {"perplexity": 123.0}), ("pretrain", {"checkpoint": "/elsewhere"})):
+        path = part_file(out, model)
+        doc = json.loads(path.read_text())
+        doc["result"]["model"].update(change)
+        path.write_text(json.dumps(doc))
+    run_eval_stage(tmp_path, cfg, run)
+    again = json.loads((out / "results.json").read_text())["models"]
+    assert again["sft"]["perplexity"] == 123.0  # taken from its part result
+    assert again["pretrain"] == first["pretrain"]  # another checkpoint in the file: scored again
