@@ -84,7 +84,8 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     data = Path(ctx.inputs["data_prep"])
     manifest = read_manifest(data, verify=False)
     ev, seq = cfg.eval, cfg.model.seq_length
-    D.init(ev.parallel.tp, ev.parallel.pp, seed=cfg.data.seed, threads=ev.threads, env=ctx.dist)
+    par = ev.parallel
+    D.init(par.tp, par.pp, ep=par.ep, etp=par.etp, seed=cfg.data.seed, threads=ev.threads, env=ctx.dist)
     try:
         tok = load_tokenizer(data / "tokenizer.json")
         sets = _load_sets(data, tok, cfg)

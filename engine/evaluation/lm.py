@@ -19,7 +19,9 @@
 
 Requests are sorted longest first and batched ``batch_size`` at a time (lm-eval's ``Collator``); results come
 back in request order. One rank, or the ranks of one tensor-parallel group serving the same requests (logits
-gathered over TP); pipeline parallelism is refused.
+gathered over TP); data-parallel ranks (model replicas) each serve every ``dp``-th request and gather the
+others' results, so lm-eval on every rank sees all of them (not with expert parallelism, whose replicas must
+step together); pipeline parallelism is refused. ``served`` counts the requests this rank computed.
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ class EngineLM(TemplateLM):
         self.chat = chat
         self._until_cache: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._token_texts: list[str] = []
+        self._dp = D.dp_size() if D.ep_size() == 1 else 1
+        self.served = 0
+        """Requests this rank computed (with data-parallel replicas: its share)."""
 
     # ------------------------------------------------------------------------ what lm-eval asks of a model
 
@@ -134,6 +139,13 @@ class EngineLM(TemplateLM):
         self, requests: list[tuple[Any, list[int], list[int]]], **kwargs: Any
     ) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), continuation is greedy) per request, in request order."""
+        out = self._spread(self._score, requests)
+        for (key, _, _), r in zip(requests, out):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, r)
+        return out
+
+    def _score(self, requests: list[tuple[Any, list[int], list[int]]]) -> list[tuple[float, bool]]:
         collator = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])))
         out: list[tuple[float, bool]] = []
         for batch in collator.get_batched(n=self.batch_size):
@@ -144,10 +156,20 @@ class EngineLM(TemplateLM):
                 rows.append((ctx + cont)[-(self.max_length + 1) :][:-1])  # cut on the left to fit
                 conts.append(cont)
             out += score_rows(self.model, rows, conts, pad_id=self.tok.pad)
-            for (key, _, _), r in zip(batch, out[-len(batch) :]):
-                if key is not None:
-                    self.cache_hook.add_partial("loglikelihood", key, r)
         return list(collator.get_original(out))
+
+    def _spread(self, work: Any, items: list[Any]) -> list[Any]:
+        """``work`` over this data-parallel rank's share of ``items`` (every dp-th), every rank's results put
+        back in item order on every rank (one replica: ``work(items)``)."""
+        mine = items[D.dp_rank() :: self._dp] if self._dp > 1 else items
+        done = work(mine)
+        self.served += len(mine)
+        if self._dp == 1:
+            return list(done)
+        out: list[Any] = [None] * len(items)
+        for r, share in enumerate(D.dp_all_gather_object(list(done))):
+            out[r :: self._dp] = share
+        return out
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Summed log-likelihood of each whole document over lm-eval's disjoint windows of max_length tokens."""
@@ -176,8 +198,15 @@ class EngineLM(TemplateLM):
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Generations per request (same generation settings batched together), cut at the ``until`` strings."""
+        args = [req.args for req in requests]
+        out = self._spread(self._generate_all, args)
+        for (ctx, gen_kwargs), text in zip(args, out):
+            self.cache_hook.add_partial("generate_until", (ctx, gen_kwargs), text)
+        return out
+
+    def _generate_all(self, args: list[tuple[str, dict[str, Any]]]) -> list[str]:
         collator = Collator(
-            [req.args for req in requests],
+            args,
             sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
             group_by="gen_kwargs",
             group_fn=lambda r: r[1],
@@ -196,10 +225,7 @@ class EngineLM(TemplateLM):
                 )
             prompts = [self.tok_encode(c)[-room:] for c in contexts]
             texts = self._generate(prompts, new, kwargs, self._until_tokens(tuple(until)))
-            for ctx, gen_kwargs, text in zip(contexts, all_kwargs, texts):
-                s = postprocess_generated_text(generation=text, stop=until, think_end_token=None)
-                out.append(s)
-                self.cache_hook.add_partial("generate_until", (ctx, gen_kwargs), s)
+            out += [postprocess_generated_text(generation=t, stop=until, think_end_token=None) for t in texts]
         return list(collator.get_original(out))
 
     def _until_tokens(self, until: tuple[str, ...]) -> tuple[int, ...]:

@@ -289,6 +289,11 @@ def etp_rank() -> int:
     return int(_ps().get_expert_tensor_parallel_rank())
 
 
+def ep_size() -> int:
+    """The expert-parallel group's size (1 without Mixture of Experts parallelism)."""
+    return int(_ps().get_expert_model_parallel_world_size()) if world_size() > 1 else 1
+
+
 def etp_size() -> int:
     return int(_ps().get_expert_tensor_parallel_world_size())
 
@@ -392,6 +397,15 @@ def all_gather_object(obj: Any) -> list[Any]:
         return [obj]
     out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
+    return out
+
+
+def dp_all_gather_object(obj: Any) -> list[Any]:
+    """Every data-parallel rank's ``obj`` (this rank's model-parallel peers' alike), in data-parallel rank order."""
+    if world_size() == 1 or dp_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dp_size()
+    dist.all_gather_object(out, obj, group=_ps().get_data_parallel_group())
     return out
 
 

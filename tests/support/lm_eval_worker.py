@@ -3,8 +3,9 @@
 SPEC keys: hf_dir, task_dir (an include_path; lm-eval's bundled tasks are not indexed: ~25 s), tasks, num_fewshot,
 limit, max_length, batch_size, registry (build the backend through lm-eval's registry by name, ``llm-pipeline``,
 instead of from engine objects), chat (lm-eval's apply_chat_template, with the directory's own template), out (set
-by launch).
-Writes {"results": simple_evaluate's results, "resps": {task: [per-doc responses]}} to ``out``.
+by launch). Every rank runs it (with several ranks at tp=1 they are data-parallel replicas).
+Writes {"results": simple_evaluate's results, "resps": {task: [per-doc responses]}, "prompts", "served" (each
+rank's count of requests it computed)} to ``out``.
 """
 
 from __future__ import annotations
@@ -51,12 +52,20 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             apply_chat_template=bool(spec.get("chat")),
             fewshot_as_multiturn=bool(spec.get("chat")),
         )
+        served = D.all_gather_object(model.served) if isinstance(model, EngineLM) else []
     finally:
         D.shutdown()
+    if out is None:  # lm-eval returns results on LOCAL_RANK 0 only
+        return {"served": served}
     prompts = {
         t: [json.dumps(s["arguments"], default=str) for s in rows] for t, rows in out["samples"].items()
     }
-    return {"results": out["results"], "resps": responses(out["samples"]), "prompts": prompts}
+    return {
+        "results": out["results"],
+        "resps": responses(out["samples"]),
+        "prompts": prompts,
+        "served": served,
+    }
 
 
 if __name__ == "__main__":

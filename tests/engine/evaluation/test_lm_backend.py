@@ -54,7 +54,9 @@ def hf_backend(setup: dict[str, Path], tasks: list[str], **kw: Any) -> dict[str,
     return {"results": out["results"], "resps": responses(out["samples"])}
 
 
-def engine_backend(setup: dict[str, Path], tasks: list[str], tmp: Path, **kw: Any) -> dict[str, Any]:
+def engine_backend(
+    setup: dict[str, Path], tasks: list[str], tmp: Path, ranks: int = 1, **kw: Any
+) -> dict[str, Any]:
     spec = {
         "hf_dir": str(setup["hf"]),
         "task_dir": str(setup["tasks"]),
@@ -63,7 +65,7 @@ def engine_backend(setup: dict[str, Path], tasks: list[str], tmp: Path, **kw: An
         "batch_size": 3,
         **kw,
     }
-    return launch(1, spec, tmp, script=WORKER, extra_env=OFFLINE)
+    return launch(ranks, spec, tmp, script=WORKER, extra_env=OFFLINE)
 
 
 def flat(resps: list[Any]) -> list[Any]:
@@ -107,6 +109,19 @@ def test_parity_with_hf_backend(setup: dict[str, Path], tmp_path: Path) -> None:
     assert_same(got, want)
     assert len(flat(got["resps"]["local_mc"])) == 16  # 4 docs x 4 choices
     assert any(g for g in flat(got["resps"]["local_gen"]))  # something was generated
+
+
+def test_data_parallel_replicas_split_the_requests_and_agree_with_hf(
+    setup: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two ranks at tp=1 are two replicas: each computes every second request of each kind and gathers the
+    other's, so lm-eval on each sees every result, the same as lm-eval's hf backend's."""
+    tasks = ["local_mc", "local_ppl", "local_gen"]
+    got = engine_backend(setup, tasks, tmp_path, ranks=2, num_fewshot=1, limit=4)
+    assert_same(got, hf_backend(setup, tasks, num_fewshot=1, limit=4))
+    (one,) = engine_backend(setup, tasks, tmp_path / "one", num_fewshot=1, limit=4)["served"]
+    a, b = got["served"]
+    assert a + b == one and abs(a - b) <= len(tasks), (got["served"], one)  # halves, to one per request kind
 
 
 def test_registry_with_bundled_task_definition(setup: dict[str, Path], tmp_path: Path) -> None:
