@@ -42,13 +42,13 @@ class SearchConfig:
     sampler: str = "tpe"
     """Optuna sampler: tpe, random, grid (choice/range keys only: every point once), cmaes."""
     pruner: str = "none"
-    """Optuna pruner over the intermediate valid losses: none, median, asha (= successive_halving), hyperband."""
+    """Optuna pruner over the trials' intermediate values (see prune_stage): none, median, asha (= successive_halving), hyperband."""
     objective: str = "pretrain.final_valid_loss"
     """What a trial scores: <stage>.final_valid_loss or <stage>.best_valid_loss of a training stage, <stage>.task.<task>.<metric> (the last value of one of the stage's in-training lm-eval tasks, <stage>.eval_tasks), or eval.<metric> (a number in eval's results.json)."""
     direction: str = "minimize"
     """minimize or maximize the objective."""
     prune_stage: str = "pretrain"
-    """The training stage whose valid losses (metrics.jsonl, every eval_interval steps) are the pruner's intermediate values."""
+    """The training stage whose values at each validation (metrics.jsonl, every eval_interval steps) are the pruner's intermediate values: the objective's own in-training task values when it is <prune_stage>.task.<task>.<metric>, else the valid losses (negated under direction=maximize)."""
     min_resource: int | None = num(None, integer=True, ge=1)
     """asha/hyperband: the steps of the first rung (None: Optuna's auto)."""
     reduction_factor: int = num(3, ge=2)

@@ -75,7 +75,7 @@ class Controller:
     # ------------------------------------------------------------------ one poll
 
     def poll(self) -> None:
-        """Settle every trial in flight: report new valid losses (maybe prune), tell those that ended."""
+        """Settle every trial in flight: report new rung values (maybe prune), tell those that ended."""
         ids = [j for t in self.inflight.values() if t.executor == "slurm" for j in trials.job_ids(t)]
         alive = alive_jobs(ids) if ids else set()  # one query for every trial together
         for number, tf in list(self.inflight.items()):
@@ -96,7 +96,9 @@ class Controller:
         handle = self.handles[tf.number]
         seen = self.reported.setdefault(tf.number, set())
         stage = self.cfg.search.prune_stage
-        for step, value in registry.valid_losses(tf.path_dir / "stages" / stage / "metrics.jsonl"):
+        for step, value in registry.prune_points(
+            self.cfg.search, tf.path_dir / "stages" / stage / "metrics.jsonl"
+        ):
             if step in seen:
                 continue
             seen.add(step)

@@ -123,6 +123,17 @@ def task_values(metrics: Path, task: str, metric: str) -> list[tuple[int, float]
     return _points(metrics, "eval_task", metric, task=task)
 
 
+def prune_points(sc: Any, metrics: Path) -> list[tuple[int, float]]:
+    """What the pruner compares at each rung of ``sc.prune_stage`` (metrics: its metrics.jsonl), in the study's
+    direction: the objective's own in-training task values when it is a task of that stage, else valid losses
+    (negated for a ``maximize`` study, where higher must mean better)."""
+    in_loop = schema.task_objective(sc.objective)
+    if in_loop is not None and in_loop[0] == sc.prune_stage:
+        return task_values(metrics, in_loop[1], in_loop[2])
+    sign = -1.0 if sc.direction == "maximize" else 1.0
+    return [(step, sign * loss) for step, loss in valid_losses(metrics)]
+
+
 def _final(points: list[tuple[int, float]]) -> float | None:
     return points[-1][1] if points else None
 

@@ -155,3 +155,31 @@ def test_cancel_stops_controller_and_trials(root: Path) -> None:
     files = trials.load_all(root)
     assert all(t.ended == "cancelled" and not trials.alive(t.pid, t.start) for t in files)
     assert {t.state.name for t in load_study(root).trials} == {"FAIL"}
+
+
+def test_a_search_on_an_in_training_task_prunes_on_that_tasks_values(root: Path, tmp_path: Path) -> None:
+    """search.objective=pretrain.task.local_mc.acc (maximize): the pruner's rungs are the task's in-training
+    values at each validation, not the valid losses; the trial's score is the value at the end of training."""
+    from pipeline.search.registry import task_values
+    from tests.support.lm_tasks import write_tasks
+
+    tasks = write_tasks(tmp_path / "tasks")
+    launch(
+        root,
+        "pretrain.lr=choice(0.004,0.005)",
+        "pretrain.iters=4",
+        "pretrain.eval_tasks=[local_mc]",
+        "pretrain.eval_task_limit=2",
+        f"eval.task_paths=[{tasks}]",
+        "search.objective=pretrain.task.local_mc.acc",
+        "search.direction=maximize",
+        "search.pruner=median",
+        "search.n_trials=2",
+        "search.max_concurrent=1",
+    )
+    wait_for("the study to finish", finished(root, 2), root)
+    for t, tf in zip(load_study(root).trials, trials.load_all(root)):
+        values = task_values(Path(tf.run_dir) / "stages" / "pretrain" / "metrics.jsonl", "local_mc", "acc")
+        assert [s for s, _ in values] == [2, 4] and t.intermediate_values == dict(values), t
+        if t.state.name == "COMPLETE":
+            assert t.value == values[-1][1]

@@ -11,6 +11,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from pipeline.__main__ import main
 from pipeline.schema import search as schema
 from pipeline.schema.errors import ConfigError
+from pipeline.schema.search import SearchConfig
 from pipeline.search import registry
 from pipeline.search.space import parse
 
@@ -80,6 +81,14 @@ def test_valid_losses_and_objectives(tmp_path: Path) -> None:
     (tmp_path / "stages" / "eval").mkdir()
     (tmp_path / "stages" / "eval" / "results.json").write_text('{"arith": {"accuracy": 0.25}}')
     assert registry.objective_value("eval.arith.accuracy", tmp_path) == 0.25
+    # the pruner's rungs, in the study's direction
+    sc = SearchConfig(objective="pretrain.task.local_mc.acc", direction="maximize")
+    assert registry.prune_points(sc, m) == [(6, 0.5), (8, 0.75)]  # the objective's own values
+    sc = SearchConfig(objective="eval.arith.accuracy", direction="maximize")
+    assert registry.prune_points(sc, m) == [(2, -6.0), (4, -5.5), (6, -5.7)]  # lower loss: higher value
+    assert registry.prune_points(SearchConfig(), m) == [(2, 6.0), (4, 5.5), (6, 5.7)]
+    sc = SearchConfig(objective="pretrain.task.local_mc.acc", direction="maximize", prune_stage="sft")
+    assert registry.prune_points(sc, m) == [(2, -6.0), (4, -5.5), (6, -5.7)]  # another stage's task: losses
 
 
 @pytest.mark.parametrize(
