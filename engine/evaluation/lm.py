@@ -21,7 +21,8 @@ Requests are sorted longest first and batched ``batch_size`` at a time (lm-eval'
 back in request order. One rank, or the ranks of one tensor-parallel group serving the same requests (logits
 gathered over TP); data-parallel ranks (model replicas) each serve every ``dp``-th request and gather the
 others' results, so lm-eval on every rank sees all of them (not with expert parallelism, whose replicas must
-step together); pipeline parallelism is refused. ``served`` counts the requests this rank computed.
+step together). With pipeline stages (and virtual ones) each forward passes through them and the last stage's
+numbers go to every stage. ``served`` counts the requests this rank computed.
 """
 
 from __future__ import annotations
@@ -71,12 +72,8 @@ class EngineLM(TemplateLM):
 
             chunks, tok, stop_tokens, max_length = load_hf_dir(pretrained, max_length)
             chat = dir_template(pretrained, tok)
-        if len(chunks) != 1 or D.pp_size() > 1:
-            raise ValueError(
-                "llm-pipeline: pipeline parallelism is not supported for lm-eval tasks; use pp=1"
-            )
-        self.model = chunks[0]
-        self.model.eval()
+        for c in chunks:
+            c.eval()
         self.chunks = chunks
         self.tok = tok
         self._max_length = int(max_length)
@@ -155,7 +152,7 @@ class EngineLM(TemplateLM):
                     raise ValueError("llm-pipeline: a request with an empty context or continuation")
                 rows.append((ctx + cont)[-(self.max_length + 1) :][:-1])  # cut on the left to fit
                 conts.append(cont)
-            out += score_rows(self.model, rows, conts, pad_id=self.tok.pad)
+            out += score_rows(self.chunks, rows, conts, pad_id=self.tok.pad)
         return list(collator.get_original(out))
 
     def _spread(self, work: Any, items: list[Any]) -> list[Any]:
@@ -269,11 +266,13 @@ def render_chat(chat: Any, history: list[dict[str, str]], add_generation_prompt:
 
 
 def score_rows(
-    model: Any, rows: list[list[int]], conts: list[list[int]], pad_id: int = 0
+    chunks: list[Any], rows: list[list[int]], conts: list[list[int]], pad_id: int = 0
 ) -> list[tuple[float, bool]]:
     """For each row (token ids) ending in its continuation ``conts[i]`` shifted by one (the row holds every token
-    but the continuation's last): the continuation's summed log-probs and whether each token is the argmax."""
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    but the continuation's last): the continuation's summed log-probs and whether each token is the argmax.
+    ``chunks``: this rank's model chunks; with pipeline stages the last one scores and every stage gets its
+    numbers."""
+    from engine.models.generate import forward_logits
 
     dev = D.device()
     width = max(len(r) for r in rows)
@@ -282,8 +281,16 @@ def score_rows(
         tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long, device=dev)
     pos = torch.arange(width, device=dev).unsqueeze(0).expand_as(tokens)
     with torch.no_grad():
-        logits = gather_from_tensor_model_parallel_region(model(tokens, pos, None))
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        logits = forward_logits(chunks, tokens, pos)
+    out = _continuations(logits, rows, conts) if logits is not None else []
+    return D.pp_broadcast_from_last(out) if D.pp_size() > 1 else out
+
+
+def _continuations(
+    logits: torch.Tensor, rows: list[list[int]], conts: list[list[int]]
+) -> list[tuple[float, bool]]:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    dev = logp.device
     out = []
     for i, (r, c) in enumerate(zip(rows, conts)):
         span = logp[i, len(r) - len(c) : len(r)]  # [len(c), V]: the positions predicting the continuation

@@ -36,11 +36,11 @@ def dir_template(hf_dir: str | Path, tok: Any) -> Any:
 
 
 def load_hf_dir(
-    hf_dir: str | Path, max_length: int | None = None, tp: int = 1, threads: int = 1
+    hf_dir: str | Path, max_length: int | None = None, tp: int = 1, threads: int = 1, pp: int = 1
 ) -> tuple[list[Any], Any, list[int], int]:
     """(model chunks, tokenizer, stop tokens, max_length) for ``hf_dir`` on one rank, or this rank's shard of a
-    ``tp``-way tensor-parallel layout (the ranks from torch's rendezvous variables); starts the engine's process
-    group when none is up. ``max_length``: default config.json's positions (at most 4096)."""
+    ``tp``-way tensor-parallel, ``pp``-stage layout (the ranks from torch's rendezvous variables); starts the
+    engine's process group when none is up. ``max_length``: default config.json's positions (at most 4096)."""
     from engine.data.datasets import load_tokenizer
     from engine.models.gpt import build_model
     from engine.models.hf_weights import load_hf
@@ -50,8 +50,8 @@ def load_hf_dir(
 
     path = Path(hf_dir)
     model = model_config(path) if max_length is None else model_config(path, seq_length=int(max_length))
-    par = ParallelConfig(tp=tp, micro_batch_size=1, global_batch_size=1)
-    D.init(tp, 1, seed=0, threads=threads)
+    par = ParallelConfig(tp=tp, pp=pp, micro_batch_size=1, global_batch_size=1)
+    D.init(tp, pp, seed=0, threads=threads)
     tok = load_tokenizer(path)
     chunks = build_model(model, par, model.vocab_size or tok.vocab_size, trainable=False)
     load_hf(chunks, path, model)

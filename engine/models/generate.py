@@ -117,7 +117,9 @@ class _Runner:
             self.contexts = [StaticInferenceContext(batch, max_len) for _ in chunks]
         self.pp = D.pp_size()
 
-    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    def forward(
+        self, tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
         b, s = tokens.shape
         h = self.config.hidden_size
         n = len(self.chunks)
@@ -143,6 +145,13 @@ class _Runner:
         for ctx in self.contexts:
             ctx.sequence_len_offset += s
         return out  # [b, s or 1, padded vocab] on the last stage
+
+
+def forward_logits(chunks: list[Any], tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
+    """One causal forward of the whole (possibly pipelined) model on [b, s] ``tokens`` without a cache: the
+    logits (gathered over TP, [b, s, padded vocab]) on the last pipeline stage, None on the others. Every rank
+    of the model-parallel group calls it with the same tokens."""
+    return _Runner(chunks, tokens.shape[0], tokens.shape[1], use_cache=False).forward(tokens, pos, None)
 
 
 def generate(

@@ -409,6 +409,15 @@ def dp_all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def pp_broadcast_from_last(obj: Any) -> Any:
+    """The last pipeline stage's ``obj``, on every stage of this rank's pipeline group."""
+    if world_size() == 1 or pp_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=pp_last_rank(), group=pp_group())
+    return box[0]
+
+
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()

@@ -43,4 +43,8 @@ def test_pending_parts_skip_done_ones_unless_what_they_read_runs_again(tmp_path:
     write_part(out, "sft", stage_hashes(cfg)["eval"], {"model": {}})
     write_part(out, "rlhf", "another config", {"model": {}})
     assert [p for p, _ in pending_parts(cfg, tmp_path, "eval", ["eval"])] == ["pretrain", "rlhf"]
-    assert [p for p, _ in pending_parts(cfg, tmp_path, "eval", ["sft", "eval"])] == ["pretrain", "sft", "rlhf"]
+    assert [p for p, _ in pending_parts(cfg, tmp_path, "eval", ["sft", "eval"])] == [
+        "pretrain",
+        "sft",
+        "rlhf",
+    ]

@@ -3,7 +3,7 @@
 SPEC keys: hf_dir, task_dir (an include_path; lm-eval's bundled tasks are not indexed: ~25 s), tasks, num_fewshot,
 limit, max_length, batch_size, registry (build the backend through lm-eval's registry by name, ``llm-pipeline``,
 instead of from engine objects), chat (lm-eval's apply_chat_template, with the directory's own template), out (set
-by launch). Every rank runs it (with several ranks at tp=1 they are data-parallel replicas).
+by launch), pp (pipeline stages). Every rank runs it (ranks beyond pp are data-parallel replicas).
 Writes {"results": simple_evaluate's results, "resps": {task: [per-doc responses]}, "prompts", "served" (each
 rank's count of requests it computed)} to ``out``.
 """
@@ -32,7 +32,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         model: Any = "llm-pipeline"
         model_args = f"pretrained={spec['hf_dir']},max_length={spec['max_length']}"
     else:
-        chunks, tok, stops, _ = load_hf_dir(spec["hf_dir"], spec["max_length"])
+        chunks, tok, stops, _ = load_hf_dir(spec["hf_dir"], spec["max_length"], pp=spec.get("pp", 1))
         chat = dir_template(spec["hf_dir"], tok)
         model, model_args = EngineLM(chunks, tok, stop_tokens=stops, chat=chat, **args), None
     try:

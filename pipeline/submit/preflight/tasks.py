@@ -20,12 +20,6 @@ def _lm_tasks(cfg: PipelineConfig, stage: str) -> None:
             fail(f"eval.task_paths[{i}]", p, "no such folder (a folder of lm-eval task YAML files)")
     if not ev.tasks:
         return
-    if ev.parallel.pp > 1:
-        fail(
-            "eval.parallel.pp",
-            ev.parallel.pp,
-            "lm-eval tasks (eval.tasks) run with pp=1 (tensor parallel is fine)",
-        )
     if ev.apply_chat_template:
         _chat_templates(cfg)
     from engine.evaluation.checks import task_problems
@@ -35,19 +29,13 @@ def _lm_tasks(cfg: PipelineConfig, stage: str) -> None:
 
 @reads(*TRAIN_STAGES)
 def _in_loop_tasks(cfg: PipelineConfig, stage: str) -> None:
-    """``<stage>.eval_tasks``: lm-eval's names and offline data, as for eval.tasks; pp=1; a language model."""
+    """``<stage>.eval_tasks``: lm-eval's names and offline data, as for eval.tasks; a language model."""
     st = cfg.stage(stage)
     assert isinstance(st, TrainStage)
     if not st.eval_tasks:
         return
     if stage not in LM_STAGES:
         fail(f"{stage}.eval_tasks", list(st.eval_tasks), f"{stage} is not a language model: no lm-eval tasks")
-    if st.parallel.pp > 1:
-        fail(
-            f"{stage}.parallel.pp",
-            st.parallel.pp,
-            f"{stage}.eval_tasks run with pp=1 (tensor parallel is fine)",
-        )
     from engine.evaluation.checks import task_problems
 
     _first_problem(task_problems(list(st.eval_tasks), list(cfg.eval.task_paths), f"{stage}.eval_tasks"))

@@ -124,6 +124,15 @@ def test_data_parallel_replicas_split_the_requests_and_agree_with_hf(
     assert a + b == one and abs(a - b) <= len(tasks), (got["served"], one)  # halves, to one per request kind
 
 
+def test_two_pipeline_stages_agree_with_hf(setup: dict[str, Path], tmp_path: Path) -> None:
+    """pp=2: each forward (scoring and every generation step) passes through both stages; the last stage's
+    numbers reach lm-eval on both ranks."""
+    tasks = ["local_mc", "local_ppl", "local_gen"]
+    got = engine_backend(setup, tasks, tmp_path, ranks=2, pp=2, num_fewshot=1, limit=4)
+    assert_same(got, hf_backend(setup, tasks, num_fewshot=1, limit=4))
+    assert got["served"][0] == got["served"][1] > 0  # both stages serve every request
+
+
 def test_registry_with_bundled_task_definition(setup: dict[str, Path], tmp_path: Path) -> None:
     got = engine_backend(setup, ["arc_easy_local"], tmp_path, registry=True, limit=3)
     want = hf_backend(setup, ["arc_easy_local"], limit=3)
