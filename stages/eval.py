@@ -2,7 +2,7 @@
 
 For each stage named in ``eval.models`` whose output is in ``ctx.inputs``, the newest verified checkpoint
 under ``<stage>/checkpoints`` is loaded (weights only) into one model built from ``cfg.model`` (layout
-``eval.parallel``: one rank, or tensor parallel; the numbers do not depend on it), and scored on data_prep's held-out files:
+``eval.parallel``: one rank, or any tensor- and pipeline-parallel layout; the numbers do not depend on it), and scored on data_prep's held-out files:
 
 - perplexity: ``exp(mean next-token NLL)`` over up to ``eval.perplexity_batches x eval.batch_size`` samples
   of ``text_valid`` (megatron GPTDataset, ``model.seq_length`` tokens each);
@@ -85,7 +85,8 @@ def main(cfg: PipelineConfig, ctx: StageContext) -> dict[str, Any]:
     manifest = read_manifest(data, verify=False)
     ev, seq = cfg.eval, cfg.model.seq_length
     par = ev.parallel
-    D.init(par.tp, par.pp, ep=par.ep, etp=par.etp, seed=cfg.data.seed, threads=ev.threads, env=ctx.dist)
+    vpp = ctx.plan.vpp if ctx.plan else par.vpp
+    D.init(par.tp, par.pp, vpp, ep=par.ep, etp=par.etp, seed=cfg.data.seed, threads=ev.threads, env=ctx.dist)
     try:
         tok = load_tokenizer(data / "tokenizer.json")
         sets = _load_sets(data, tok, cfg)
@@ -150,7 +151,8 @@ def _build(cfg: PipelineConfig, tok: Any) -> list[Any]:
     from engine.models.gpt import build_model
 
     chunks = build_model(cfg.model, cfg.eval.parallel, tok.vocab_size)
-    chunks[0].eval()
+    for c in chunks:
+        c.eval()
     return chunks
 
 
@@ -232,7 +234,7 @@ def _eval_one(
         return {"skipped": f"no verified checkpoint under {ctx.inputs[stage]}/checkpoints"}
     else:
         load_weights(ckpt, model())
-        out = {"checkpoint": str(ckpt), "iteration": _iteration(ckpt), **evaluate(model()[0], tok, sets, cfg)}
+        out = {"checkpoint": str(ckpt), "iteration": _iteration(ckpt), **evaluate(model(), tok, sets, cfg)}
     if cfg.eval.tasks:
         out["lm_eval"] = _lm_eval(cfg, ctx, model(), tok, stops, stage, manager(), chat)
     return {"model": out}
@@ -381,7 +383,7 @@ def _eval_hf(
 
     hf_dir = parse_ref(ref) or Path(ref)
     load_hf(chunks, hf_dir, model_config(hf_dir))
-    return evaluate(chunks[0], tok, sets, cfg)
+    return evaluate(chunks, tok, sets, cfg)
 
 
 # ---------------------------------------------------------------------------- data
@@ -415,8 +417,9 @@ def _load_sets(data: Path, tok: Any, cfg: PipelineConfig) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- scoring
 
 
-def evaluate(model: Any, tok: Any, sets: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
-    """All three scores of the weights now in ``model``."""
+def evaluate(chunks: list[Any], tok: Any, sets: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
+    """All three scores of the weights now in ``chunks`` (this rank's model chunks: one, or its pipeline
+    stages')."""
     import torch
 
     bs = cfg.eval.batch_size
@@ -424,7 +427,7 @@ def evaluate(model: Any, tok: Any, sets: dict[str, Any], cfg: PipelineConfig) ->
         nll, count = 0.0, 0.0
         for i in range(0, len(sets["valid"]), bs):
             batch = _stack(sets["valid"][i : i + bs])
-            per_token = _nll(model, batch["tokens"], batch["labels"])
+            per_token = _nll(chunks, batch["tokens"], batch["labels"])
             nll += float((per_token * batch["loss_mask"]).sum())
             count += float(batch["loss_mask"].sum())
         valid_loss = nll / count if count else None
@@ -432,7 +435,7 @@ def evaluate(model: Any, tok: Any, sets: dict[str, Any], cfg: PipelineConfig) ->
         margins: list[float] = []
         for i in range(0, len(sets["pref"]), bs):
             batch = _stack(sets["pref"][i : i + bs])  # [b, 2, s]
-            per_token = _nll(model, batch["tokens"].flatten(0, 1), batch["labels"].flatten(0, 1))
+            per_token = _nll(chunks, batch["tokens"].flatten(0, 1), batch["labels"].flatten(0, 1))
             logp = -(per_token.reshape(batch["loss_mask"].shape) * batch["loss_mask"]).sum(-1)
             margins += (logp[:, 0] - logp[:, 1]).tolist()
 
@@ -440,7 +443,7 @@ def evaluate(model: Any, tok: Any, sets: dict[str, Any], cfg: PipelineConfig) ->
         for i in range(0, len(sets["task"]), bs):
             recs = sets["task"][i : i + bs]
             outs = generate(
-                model,
+                chunks,
                 tok,
                 [r["prompt"] for r in recs],
                 cfg.eval.max_new_tokens,
@@ -478,17 +481,22 @@ def _stack(items: list[dict[str, np.ndarray]]) -> dict[str, Any]:
     return {k: torch.from_numpy(np.stack([x[k] for x in items])).to(dev) for k in items[0]}
 
 
-def _nll(model: Any, tokens: Any, labels: Any) -> Any:
-    """Per-token next-token NLL [b, s] (megatron computes it from labels)."""
+def _nll(chunks: list[Any], tokens: Any, labels: Any) -> Any:
+    """Per-token next-token NLL [b, s] (megatron computes it from labels on the last pipeline stage; every
+    stage gets it)."""
     import torch
+
+    from engine.models.generate import forward_logits
+    from engine.runtime import distributed as D
 
     b, s = tokens.shape
     pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-    return model(tokens, pos, None, labels=labels).float()
+    loss = forward_logits(chunks, tokens, pos, labels=labels)
+    return D.pp_broadcast_tensor(loss.float() if loss is not None else None, (b, s))
 
 
 def generate(
-    model: Any,
+    chunks: list[Any],
     tok: Any,
     prompts: list[str],
     max_new_tokens: int,
@@ -507,7 +515,7 @@ def generate(
     ids = [tok.encode(p) for p in prompts]
     seqs = [x[-(seq_length - max_new_tokens) :] for x in ids]
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_tokens=tuple(stop_tokens or (tok.eod,)))
-    out = engine_generate([model], seqs, params, vocab_size=tok.vocab_size, pad_id=tok.pad)
+    out = engine_generate(chunks, seqs, params, vocab_size=tok.vocab_size, pad_id=tok.pad)
     return [tok.decode(ids) for ids in out.tokens]
 
 

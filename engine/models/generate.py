@@ -118,7 +118,11 @@ class _Runner:
         self.pp = D.pp_size()
 
     def forward(
-        self, tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        mask: torch.Tensor | None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         b, s = tokens.shape
         h = self.config.hidden_size
@@ -135,7 +139,8 @@ class _Runner:
                 model.set_input_tensor(hidden)
             else:
                 model.set_input_tensor(None)
-            kwargs: dict[str, Any] = {"runtime_gather_output": True}
+            # with labels the loss is computed from TP-sharded logits (a gathered copy would be taken for one shard)
+            kwargs: dict[str, Any] = {"runtime_gather_output": True} if labels is None else {"labels": labels}
             if self.contexts:
                 kwargs["inference_context"] = self.contexts[v]
             out = chunk(tokens, pos, mask, **kwargs)
@@ -147,11 +152,15 @@ class _Runner:
         return out  # [b, s or 1, padded vocab] on the last stage
 
 
-def forward_logits(chunks: list[Any], tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
+def forward_logits(
+    chunks: list[Any], tokens: torch.Tensor, pos: torch.Tensor, labels: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """One causal forward of the whole (possibly pipelined) model on [b, s] ``tokens`` without a cache: the
-    logits (gathered over TP, [b, s, padded vocab]) on the last pipeline stage, None on the others. Every rank
-    of the model-parallel group calls it with the same tokens."""
-    return _Runner(chunks, tokens.shape[0], tokens.shape[1], use_cache=False).forward(tokens, pos, None)
+    logits (gathered over TP, [b, s, padded vocab]) on the last pipeline stage, None on the others; with
+    ``labels`` [b, s], megatron's per-token loss [b, s] instead. Every rank of the model-parallel group calls it
+    with the same tokens."""
+    runner = _Runner(chunks, tokens.shape[0], tokens.shape[1], use_cache=False)
+    return runner.forward(tokens, pos, None, labels=labels)
 
 
 def generate(

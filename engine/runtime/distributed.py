@@ -418,6 +418,16 @@ def pp_broadcast_from_last(obj: Any) -> Any:
     return box[0]
 
 
+def pp_broadcast_tensor(t: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """The last pipeline stage's float32 tensor ``t`` (of ``shape``; None on the other stages), on every stage."""
+    if world_size() == 1 or pp_size() == 1:
+        assert t is not None
+        return t
+    out = t.contiguous() if t is not None else torch.empty(shape, dtype=torch.float32, device=device())
+    dist.broadcast(out, src=pp_last_rank(), group=pp_group())
+    return out
+
+
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()

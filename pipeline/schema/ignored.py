@@ -74,7 +74,7 @@ RLHF_ALGORITHM_KEYS: tuple[str, ...] = (
 """rlhf keys that only some algorithms read (each declares its own: pipeline/schema/rl.py)."""
 PARALLEL_USED = {
     "data_prep": ("tp", "pp", "dp", "nodes"),
-    "eval": ("tp", "pp", "dp", "nodes", "precision"),
+    "eval": ("tp", "pp", "vpp", "ep", "etp", "dp", "nodes", "precision"),
     "export": (),
 }
 """The parallel keys of the stages that do not train (the rest of their ``parallel`` section is unread)."""

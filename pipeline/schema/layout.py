@@ -189,14 +189,13 @@ def check_layout(cfg: _Config, stage: str) -> ParallelPlan:
     par = st.parallel
     if not spec(stage).trains:
         plan = stage_plan(cfg, stage)
-        if stage == "eval" and par.pp == 1:  # eval runs tensor parallel (same numbers as one rank)
+        if stage == "eval":  # eval runs any tp x pp (x vpp) layout (same numbers as one rank)
             _check_model_split(cfg.model, par, key)
             check_moe_layout(cfg.model, par, key)
             check_expert_ranks(par, key, par.tp * plan.dp)
             return plan
         if par.tp * par.pp != 1:
-            what = "tp=1 and pp=1" if stage != "eval" else "pp=1 (tensor parallel works)"
-            raise ConfigError(f"{key}: {stage} runs without pipeline or model parallelism; set {what}")
+            raise ConfigError(f"{key}: {stage} runs without pipeline or model parallelism; set tp=1 and pp=1")
         return plan
     if stage not in TRAIN_STAGES:
         raise ConfigError(f"run.stages={stage!r}: not a training stage")

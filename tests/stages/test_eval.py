@@ -39,8 +39,8 @@ SCRIPT = textwrap.dedent(
     # Batched greedy generation (prompts of different lengths, KV cache) equals one prompt at a time.
     prompts = ["What is 1 + 2?", "What is 12 - 3?", "What is 29 + 30?"]
     chunks[0].eval()
-    batched = ev.generate(chunks[0], tok, prompts, 5, cfg.model.seq_length)
-    single = [ev.generate(chunks[0], tok, [p], 5, cfg.model.seq_length)[0] for p in prompts]
+    batched = ev.generate(chunks, tok, prompts, 5, cfg.model.seq_length)
+    single = [ev.generate(chunks, tok, [p], 5, cfg.model.seq_length)[0] for p in prompts]
     assert batched == single, (batched, single)
     D.shutdown()
 

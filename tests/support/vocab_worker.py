@@ -70,7 +70,7 @@ def _eval(chunks: list[Any], vocab: int) -> dict[str, Any]:
     valid, pref = SyntheticSource(8, vocab, SEQ, seed=4), SyntheticPreferenceSource(4, vocab, SEQ, seed=5)
     sets = {"valid": [valid[i] for i in range(8)], "pref": [pref[i] for i in range(4)], "task": []}
     cfg = SimpleNamespace(eval=SimpleNamespace(batch_size=4), model=SimpleNamespace(seq_length=SEQ))
-    r = evaluate(chunks[0], None, sets, cfg)
+    r = evaluate(chunks, None, sets, cfg)
     return {k: r[k] for k in ("valid_loss", "perplexity", "pref_margin")}
 
 

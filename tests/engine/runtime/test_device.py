@@ -104,10 +104,10 @@ SCRIPT = textwrap.dedent(
         "validation": landed(lambda: train(make_step("pretrain"), text).evaluate()),
         "dpo_reference": landed(lambda: reference_logps(chunks, prefs, first_step=0, steps=1, stage=stage,
                                                         seq_length=seq)),
-        "eval_perplexity": landed(lambda: ev.evaluate(gpt, Tok(), {**empty, "valid": [text[0], text[1]]}, cfg)),
-        "eval_preference": landed(lambda: ev.evaluate(gpt, Tok(), {**empty, "pref": [prefs[0]]}, cfg)),
+        "eval_perplexity": landed(lambda: ev.evaluate([gpt], Tok(), {**empty, "valid": [text[0], text[1]]}, cfg)),
+        "eval_preference": landed(lambda: ev.evaluate([gpt], Tok(), {**empty, "pref": [prefs[0]]}, cfg)),
         "eval_generation": landed(
-            lambda: ev.evaluate(gpt, Tok(), {**empty, "task": [{"prompt": "p", "answer": "a"}]}, cfg)
+            lambda: ev.evaluate([gpt], Tok(), {**empty, "task": [{"prompt": "p", "answer": "a"}]}, cfg)
         ),
     }
     print("DTYPES", json.dumps(dtypes))
