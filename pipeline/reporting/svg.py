@@ -82,3 +82,52 @@ def line_chart(title: str, series: Sequence[Series], xlabel: str = "step", w: in
             body.append(f'<text x="{left + pw - 107}" y="{ly}">{html.escape(label[:18])}</text>')
     svg = f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">{"".join(body)}</svg>'
     return f'<figure class="plot" data-points="{n}" data-title="{html.escape(title)}">{svg}</figure>'
+
+
+Line = tuple[Sequence[float | None], str]
+"""(one value per axis, None where the line stops; its kind: 'best', 'completed' or 'pruned')."""
+_LINE_STYLE = {
+    "best": 'stroke="#d62728" stroke-width="2.4"',
+    "completed": 'stroke="#1f77b4" stroke-width="1.2" stroke-opacity="0.7"',
+    "pruned": 'stroke="#999" stroke-width="1" stroke-dasharray="4 3"',
+}
+
+
+def parallel_coordinates(
+    title: str, axes: Sequence[str], lines: Sequence[Line], w: int = 520, h: int = 240
+) -> str:
+    """One vertical axis per name in ``axes`` (each scaled to its own min..max), one polyline per line across
+    them, styled by its kind; a pruned trial's line stops at its last value. ``data-points``: values drawn."""
+    left, right, top, bottom = 30, 30, 24, 40
+    pw, ph = w - left - right, h - top - bottom
+    body = [f'<text x="{w / 2}" y="15" class="title" text-anchor="middle">{html.escape(title)}</text>']
+    cols: list[list[float]] = [
+        [float(x) for v, _ in lines if i < len(v) and (x := v[i]) is not None] for i in range(len(axes))
+    ]
+    n = sum(len(c) for c in cols)
+    span = [(min(c), max(c)) if c else (0.0, 1.0) for c in cols]
+    step = pw / max(1, len(axes) - 1)
+
+    def at(i: int, v: float) -> tuple[float, float]:
+        lo, hi = span[i]
+        frac = 0.5 if hi == lo else (v - lo) / (hi - lo)
+        return left + i * step, top + (1 - frac) * ph
+
+    for i, name in enumerate(axes):
+        x = left + i * step
+        lo, hi = span[i]
+        body.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{top + ph}" class="frame"/>')
+        body.append(
+            f'<text x="{x:.1f}" y="{top + ph + 14}" text-anchor="middle">{html.escape(name[-22:])}</text>'
+        )
+        body.append(
+            f'<text x="{x:.1f}" y="{top + ph + 27}" text-anchor="middle">{_fmt(lo)}..{_fmt(hi)}</text>'
+        )
+    order = sorted(lines, key=lambda line: ("pruned", "completed", "best").index(line[1]))  # best on top
+    for values, kind in order:
+        pts = [at(i, v) for i, v in enumerate(values) if v is not None]
+        if len(pts) >= 2:
+            coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
+            body.append(f'<polyline points="{coords}" fill="none" {_LINE_STYLE[kind]}/>')
+    svg = f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">{"".join(body)}</svg>'
+    return f'<figure class="plot" data-points="{n}" data-title="{html.escape(title)}">{svg}</figure>'

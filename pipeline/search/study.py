@@ -135,6 +135,25 @@ def write_summary(sweep: Path, study: Any, cfg: PipelineConfig, space: Space) ->
         "n_trials": cfg.search.n_trials,
         "keys": list(space.dims),
         "best": best_row,
+        "importances": importances(study, cfg.search.seed),
         "trials": rows,
     }
     atomic_write_text(search_dir(sweep) / "study.json", json.dumps(data, indent=1))
+
+
+def importances(study: Any, seed: int) -> dict[str, float] | None:
+    """Each searched key's share of the objective's variance over the completed trials (Optuna's fANOVA,
+    seeded); None with fewer than two completed trials or nothing to tell apart."""
+    import optuna
+    from optuna.trial import TrialState
+
+    done = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    if len(done) < 2:
+        return None
+    try:
+        got = optuna.importance.get_param_importances(
+            study, evaluator=optuna.importance.FanovaImportanceEvaluator(seed=seed)
+        )
+    except (RuntimeError, ValueError):  # e.g. every completed trial at the same point
+        return None
+    return {k: float(v) for k, v in got.items()}
