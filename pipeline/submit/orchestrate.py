@@ -256,6 +256,8 @@ def dry_run(cfg: PipelineConfig, run_dir: Path, out: TextIO) -> int:
     print(f"dry run (nothing submitted): run directory would be {run_dir}", file=out)
     for s in order(cfg.run.stages):
         plan = stage_plan(cfg, s)
+        for part, reads in parts(s, cfg):  # each its own job of the stage's layout, before the stage's own
+            print(f"\n=== {s}:{part}: a job of its own after {', '.join(reads)}", file=out)
         print(f"\n=== {s}: {plan.as_dict()}", file=out)
         print(sbatch_script(cfg, s, run_dir, run_dir / "code" / "<submission>"), file=out)
     return 0

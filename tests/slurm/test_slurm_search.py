@@ -73,3 +73,42 @@ def test_pruned_trial_job_cancelled_on_slurm(cluster: Any, tmp_path: Path) -> No
     rec = Ledger(Path(pruned.run_dir)).read("pretrain")
     assert rec is not None and rec.status == "cancelled" and "pruned by the search" in str(rec.error)
     wait_for("SLURM to cancel the job", lambda: job_state(rec.job_ids[0])[0] == "CANCELLED", root, timeout=60)
+
+
+def test_status_and_cancel_of_a_sweep_on_slurm(cluster: Any, tmp_path: Path) -> None:
+    """``pipeline.status <sweep>`` shows the controller and the trials in flight; ``pipeline.cancel <sweep>``
+    stops the controller and every trial, whose SLURM jobs end CANCELLED; the study records them failed."""
+    root = tmp_path / "sweep"
+    args = ("pretrain.iters=choice(100000,100001)", "search.n_trials=2", "search.max_concurrent=2")
+    try:
+        launch(cluster, root, *args, "pretrain.save_interval=100000")
+        wait_for("both trials' pretrain jobs", lambda: len(_pretrain_jobs(root)) == 2, root, timeout=300)
+        st = pipeline(cluster, str(root), module="pipeline.status")
+        assert st.returncode == 0 and "controller: running" in st.stdout, st.stdout + st.stderr
+        assert "trials: 2 (running 2)" in st.stdout, st.stdout
+        c = pipeline(cluster, str(root), module="pipeline.cancel")
+        assert c.returncode == 0 and "trials stopped: [0, 1]" in c.stdout, c.stdout + c.stderr
+    finally:
+        if (root / ".search").is_dir():
+            manage.cancel(root)
+    assert not controller_alive(root)
+    jobs = _pretrain_jobs(root)
+    wait_for(
+        "SLURM to cancel every trial's job",
+        lambda: all(job_state(j)[0] == "CANCELLED" for j in jobs),
+        root,
+        timeout=120,
+    )
+    assert {t.state.name for t in load_study(root).trials} == {"FAIL"}
+    st = pipeline(cluster, str(root), module="pipeline.status")
+    assert "controller: not running" in st.stdout and "trials: 2 (fail 2)" in st.stdout, st.stdout
+
+
+def _pretrain_jobs(root: Path) -> list[str]:
+    """The SLURM job of each trial's pretrain stage, once submitted."""
+    out = []
+    for t in trials.load_all(root):
+        rec = Ledger(Path(t.run_dir)).read("pretrain") if t.run_dir else None
+        if rec is not None and rec.job_ids:
+            out.append(rec.job_ids[-1])
+    return out

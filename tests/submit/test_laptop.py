@@ -68,7 +68,10 @@ DRY_RUNS = {
         ],
         ["#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu"],
     ),
-    "local profile": ([], ["=== eval:", "#SBATCH --ntasks-per-node=1"]),
+    "local profile": (
+        [],
+        ["=== eval: {", "=== eval:sft: a job of its own after data_prep, sft", "#SBATCH --ntasks-per-node=1"],
+    ),
     "data prep under MPI": (
         ["cluster=slurm", "data_prep.launcher=mpi", "run.stages=[data_prep]"],
         ["--mpi="],
