@@ -55,6 +55,7 @@ backend (engine.evaluation) with the run's tokenizer, ``model.seq_length`` token
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -68,6 +69,7 @@ from pipeline.schema.config import PipelineConfig
 from pipeline.schema.identity import stage_hashes
 from stages import tasks
 from stages.eval_output import RESULTS, format_table, write_results
+from stages.eval_own_tasks import own_task_configs
 
 SAMPLES = "lm_eval_samples"
 """Folder of lm-eval's per-document samples (``eval.log_samples``), one subfolder per model."""
@@ -236,7 +238,7 @@ def _eval_one(
         load_weights(ckpt, model())
         out = {"checkpoint": str(ckpt), "iteration": _iteration(ckpt), **evaluate(model(), tok, sets, cfg)}
     if cfg.eval.tasks:
-        out["lm_eval"] = _lm_eval(cfg, ctx, model(), tok, stops, stage, manager(), chat)
+        out["lm_eval"] = _lm_eval(cfg, ctx, model(), tok, stops, stage, manager(), chat, sets)
     return {"model": out}
 
 
@@ -300,8 +302,10 @@ def _task_manager(cfg: PipelineConfig) -> Any:
     if not cfg.eval.tasks:
         return None
     from engine.evaluation.tasks import task_manager
+    from pipeline.schema.stage_sections import OWN_LM_TASKS
 
-    return task_manager(list(cfg.eval.task_paths), list(cfg.eval.tasks))
+    named = [t for t in cfg.eval.tasks if t not in OWN_LM_TASKS]  # the own ones come as configs
+    return task_manager(list(cfg.eval.task_paths), named)
 
 
 def _lm_eval(
@@ -313,9 +317,11 @@ def _lm_eval(
     stage: str,
     manager: Any,
     chat: Any,
+    sets: dict[str, Any],
 ) -> dict[str, Any]:
     """``eval.tasks`` on the weights now in ``chunks`` through the engine's lm-eval backend (one section per task);
-    ``chat``: the model's chat template (used with eval.apply_chat_template)."""
+    ``chat``: the model's chat template (used with eval.apply_chat_template); ``sets``: the held-out sets (the
+    run's own task, stages.eval_own_tasks)."""
     from engine.evaluation.lm import EngineLM
     from engine.evaluation.tasks import run_tasks
 
@@ -329,7 +335,9 @@ def _lm_eval(
         chat=chat,
     )
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", stage)  # an hf:<dir> model gets a file-safe folder name
-    return run_tasks(lm, _lm_run(cfg), manager, Path(ctx.out_dir) / SAMPLES / name)
+    own = own_task_configs(ctx.out_dir, sets, cfg)
+    run = dataclasses.replace(_lm_run(cfg), tasks=[own.get(t, t) for t in cfg.eval.tasks])
+    return run_tasks(lm, run, manager, Path(ctx.out_dir) / SAMPLES / name)
 
 
 def _eval_reward_model(

@@ -19,13 +19,17 @@ LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 Problem = tuple[str, str, str]
 
 
-def task_problems(tasks: list[str], task_paths: list[str], key: str = "eval.tasks") -> list[Problem]:
+def task_problems(
+    tasks: list[str], task_paths: list[str], key: str = "eval.tasks", own: tuple[str, ...] = ()
+) -> list[Problem]:
     """Unknown names (with the closest known ones), then tasks whose data is not available offline; each
-    problem names ``<key>[i]``."""
-    manager = task_manager(task_paths, tasks)
+    problem names ``<key>[i]``. Names in ``own`` (tasks the caller defines itself) are not looked up."""
+    manager = task_manager(task_paths, [t for t in tasks if t not in own])
     known = list(manager.all_tasks)
     problems: list[Problem] = []
     for i, name in enumerate(tasks):
+        if name in own:
+            continue
         if any(c in name for c in "*?[") and fnmatch.filter(known, name):
             continue  # a pattern, as lm-eval's own command line takes them
         if name not in known:

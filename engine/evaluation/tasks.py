@@ -16,7 +16,8 @@ from typing import Any
 class TaskRun:
     """What to run (the eval stage's ``eval.tasks`` keys)."""
 
-    tasks: list[str]
+    tasks: list[Any]
+    """Task names, or lm-eval task configs (dicts: a task the caller defines, e.g. the eval stage's own)."""
     task_paths: list[str] = field(default_factory=list)
     """lm-eval include paths: folders of users' task YAMLs."""
     num_fewshot: int | None = None
@@ -36,6 +37,8 @@ def task_manager(task_paths: list[str], tasks: list[str] | None = None) -> Any:
     may be bundled ones) defined under ``task_paths``."""
     from lm_eval.tasks import TaskManager
 
+    if tasks is not None and not tasks:  # only tasks given as configs: nothing to index
+        return TaskManager(include_path=list(task_paths) or None, include_defaults=False)
     if task_paths and tasks:
         own = TaskManager(include_path=list(task_paths), include_defaults=False)
         if set(tasks) <= set(own.all_subtasks):
@@ -112,7 +115,14 @@ def metric_fields(section: dict[str, Any]) -> dict[str, Any]:
 
 def config_hash(config: dict[str, Any]) -> str:
     """sha256 (16 hex digits) of the task's resolved config as lm-eval reports it."""
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=_stable).encode()).hexdigest()[:16]
+
+
+def _stable(value: Any) -> str:
+    """A config value JSON has no form for: a function by its qualified name (its repr holds an address)."""
+    if callable(value):
+        return f"{value.__module__}.{value.__qualname__}"
+    return str(value)
 
 
 def _number(value: Any) -> float | None:

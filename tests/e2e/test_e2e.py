@@ -58,10 +58,12 @@ def _metric_lines(run_dir: Path, stage: str, kind: str) -> list[dict]:
 @pytest.mark.timeout(1800)
 def test_reduced_default_run_learns(tmp_path: Path) -> None:
     """The embedded default, shorter eval: perplexity falls, SFT helps, and GRPO lifts task accuracy by 10+
-    points over the SFT model trained on noisy demonstrations (README "What you should see": about +40)."""
+    points over the SFT model trained on noisy demonstrations (README "What you should see": about +40); the
+    same held-out task run as an lm-eval task (pipeline_task) gives each model the same accuracy."""
     r = run_pipeline(
         f"run.root={tmp_path}",
         "eval.num_task_examples=100",
+        "eval.tasks=[pipeline_task]",
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_dir = run_dir_of(r.stdout)
@@ -74,6 +76,8 @@ def test_reduced_default_run_learns(tmp_path: Path) -> None:
     assert models["rlhf"]["task_accuracy"] >= models["sft"]["task_accuracy"] + 0.10, models
     assert models["rlhf"]["pref_accuracy"] >= 0.70, models
     assert "task acc" in r.stdout and "pref acc" in r.stdout  # the results table
+    for m, res in models.items():  # the same task through lm-eval on the engine: the same accuracy
+        assert res["lm_eval"]["pipeline_task"]["metrics"]["acc"]["value"] == res["task_accuracy"], (m, res)
 
 
 @pytest.mark.timeout(900)

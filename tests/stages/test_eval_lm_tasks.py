@@ -72,3 +72,20 @@ def test_eval_applies_the_runs_chat_template_to_lm_eval_prompts(tmp_path: Path) 
     assert context.count("<|user|>") == 2 and context.endswith(
         "<|assistant|>"
     )  # a few-shot turn, the question
+
+
+def test_the_runs_own_task_is_an_lm_eval_task_with_the_stages_own_accuracy(tmp_path: Path) -> None:
+    """eval.tasks=[pipeline_task]: the held-out task through lm-eval on the engine backend, the same examples,
+    generation length and checker as the stage's own task accuracy: the same accuracy."""
+    cfg = small_config(tmp_path, task_examples=6, perplexity_batches=1)
+    cfg.eval.models = ["pretrain"]
+    cfg.eval.tasks = ["pipeline_task"]
+    run = tmp_path / "run"
+    run_prep(cfg, run / "stages" / "data_prep")
+    run_eval_stage(tmp_path, cfg, run, {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    out = run / "stages" / "eval"
+    r = json.loads((out / "results.json").read_text())["models"]["pretrain"]
+    own = r["lm_eval"]["pipeline_task"]
+    assert own["samples"] == 6 and own["metrics"]["acc"]["value"] == r["task_accuracy"], (own, r)
+    docs = [json.loads(d) for d in (out / "lm_eval_tasks" / "pipeline_task.jsonl").read_text().splitlines()]
+    assert len(docs) == 6 and [d["answer"] for d in docs[:5]] == [s["answer"] for s in r["samples"]]

@@ -98,3 +98,18 @@ def test_in_training_tasks_are_checked_under_their_own_key(tmp_path: Path, task_
     cfg.reward_model.eval_tasks = ["local_mc"]
     with pytest.raises(ConfigError, match=r"reward_model\.eval_tasks=.*not a language model"):
         _in_loop_tasks(cfg, "reward_model")
+
+
+def test_the_runs_own_task_needs_no_registry_and_runs_in_eval_only(tmp_path: Path, task_dir: Path) -> None:
+    from pipeline.submit.preflight.tasks import _in_loop_tasks
+
+    check(tmp_path, ["pipeline_task", "local_mc"])  # defined by the eval stage itself
+    with pytest.raises(ConfigError, match=r"eval\.tasks\[2\]='local_mcc': unknown lm-eval task"):
+        check(tmp_path, ["pipeline_task", "local_mc", "local_mcc"])  # the index counts the own task
+    cfg = PipelineConfig()
+    cfg.eval.task_paths = [str(task_dir)]
+    cfg.pretrain.eval_tasks = ["local_mc", "pipeline_task"]
+    with pytest.raises(
+        ConfigError, match=r"pretrain\.eval_tasks\[1\]='pipeline_task': .*put it in eval\.tasks"
+    ):
+        _in_loop_tasks(cfg, "pretrain")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipeline.schema.config import PipelineConfig, TrainStage
 from pipeline.schema.graph import LM_STAGES, TRAIN_STAGES
+from pipeline.schema.stage_sections import OWN_LM_TASKS
 from pipeline.submit.preflight.checks import fail, reads
 
 
@@ -24,7 +25,7 @@ def _lm_tasks(cfg: PipelineConfig, stage: str) -> None:
         _chat_templates(cfg)
     from engine.evaluation.checks import task_problems
 
-    _first_problem(task_problems(list(ev.tasks), list(ev.task_paths)))
+    _first_problem(task_problems(list(ev.tasks), list(ev.task_paths), own=OWN_LM_TASKS))
 
 
 @reads(*TRAIN_STAGES)
@@ -36,6 +37,13 @@ def _in_loop_tasks(cfg: PipelineConfig, stage: str) -> None:
         return
     if stage not in LM_STAGES:
         fail(f"{stage}.eval_tasks", list(st.eval_tasks), f"{stage} is not a language model: no lm-eval tasks")
+    for i, name in enumerate(st.eval_tasks):
+        if name in OWN_LM_TASKS:
+            fail(
+                f"{stage}.eval_tasks[{i}]",
+                name,
+                "the run's own task runs in the eval stage: put it in eval.tasks",
+            )
     from engine.evaluation.checks import task_problems
 
     _first_problem(task_problems(list(st.eval_tasks), list(cfg.eval.task_paths), f"{stage}.eval_tasks"))
