@@ -83,6 +83,7 @@ class Controller:
             if st == RUNNING:
                 self._maybe_prune(tf)
             elif st == COMPLETE:
+                self._maybe_prune(tf, prune=False)  # its last rungs too: later trials are compared with them
                 value = registry.objective_value(self.cfg.search.objective, tf.path_dir)
                 if value is None:
                     self._tell_failed(tf, f"no {self.cfg.search.objective} in {tf.run_dir}")
@@ -92,7 +93,8 @@ class Controller:
             elif st == FAILED:
                 self._tell_failed(tf, why)
 
-    def _maybe_prune(self, tf: TrialFile) -> None:
+    def _maybe_prune(self, tf: TrialFile, prune: bool = True) -> None:
+        """Report the trial's rung values not reported yet and, with ``prune``, stop it when the pruner says."""
         handle = self.handles[tf.number]
         seen = self.reported.setdefault(tf.number, set())
         stage = self.cfg.search.prune_stage
@@ -103,7 +105,7 @@ class Controller:
                 continue
             seen.add(step)
             handle.report(value, step)
-            if handle.should_prune():
+            if prune and handle.should_prune():
                 tf.pruned = {"stage": stage, "step": step, "value": value}
                 tf.ended = "pruned"
                 trials.save(self.sweep, tf)  # first: a controller killed now tells the study on resume

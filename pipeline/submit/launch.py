@@ -242,11 +242,17 @@ def _job_environment(executor: str, given_port: int | None) -> tuple[DistEnv, st
     return DistEnv(env.global_rank, env.num_tasks, env.local_rank, master, port), job_id
 
 
+RENDEZVOUS_PORTS = (20000, 32000)
+"""A SLURM job's rendezvous port range: the same port on every rank, another for the next job; below Linux's
+ephemeral range (32768 up), so no outgoing connection holds it (the local test cluster's daemons keep below it)."""
+
+
 def _rendezvous_port(job_id: str, given: int | None) -> int:
     if given:
         return given
     digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
-    return 20000 + int(digits) % 20000  # same on every rank of a SLURM job, differs between jobs
+    lo, hi = RENDEZVOUS_PORTS
+    return lo + int(digits) % (hi - lo)
 
 
 def export_job_env(environ: MutableMapping[str, str], dist: DistEnv) -> None:

@@ -87,9 +87,11 @@ def _port_free(port: int) -> bool:
 
 
 def pick_ports(n: int) -> list[int]:
-    """n distinct free TCP ports below the kernel's ephemeral range (so outgoing connections never take
-    them), chosen at random so that concurrent clusters rarely race for the same one."""
-    lo, hi = 20000, 32000
+    """n distinct free TCP ports below the range the pipeline's SLURM jobs rendezvous on (20000-31999,
+    pipeline.submit.launch.RENDEZVOUS_PORTS: a daemon there once took a job's port) and below the kernel's
+    ephemeral range (so outgoing connections never take them), chosen at random so that concurrent clusters
+    rarely race for the same one."""
+    lo, hi = 12000, 20000
     try:
         eph_lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
         hi = min(hi, eph_lo)

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from pipeline.records.ledger import Ledger
 from pipeline.reporting.status import run_status
 from pipeline.schema.graph import DEFAULT_STAGES as STAGES
+from pipeline.submit.launch import RENDEZVOUS_PORTS
 from tests.support.env import REPO
 from tests.support.slurm_cluster import cluster_mod, wait_for
 from tests.support.slurm_helpers import (
@@ -84,7 +85,8 @@ def _check_two_node_pretrain(cluster, run_dir: Path, job_id: str) -> None:
     first = hostnames(cluster, nodelist)[0]
     [started] = events(run_dir, "started", "pretrain")
     assert started["world_size"] == 2
-    assert started["master"] == f"{first}:{20000 + int(job_id) % 20000}", (started, nodelist)
+    lo, hi = RENDEZVOUS_PORTS
+    assert started["master"] == f"{first}:{lo + int(job_id) % (hi - lo)}", (started, nodelist)
     hosts = set()
     for task in (0, 1):
         log = (run_dir / "jobs" / "pretrain" / job_id / f"{job_id}_{task}_log.out").read_text()
