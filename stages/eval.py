@@ -178,7 +178,7 @@ def _eval_models(
     wanted = [ctx.part] if ctx.part else list(cfg.eval.models)
     # read before any scoring, on every rank alike: rank 0 writes results as it goes
     done = {} if ctx.part else {m: read_part(ctx.out_dir, m, identity) for m in wanted}
-    manager = _Lazy(lambda: _task_manager(cfg))
+    manager = _Lazy(lambda: (_task_manager(cfg), own_task_configs(ctx.out_dir, sets, cfg)))
     results: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     for m in wanted:
@@ -238,12 +238,14 @@ def _eval_one(
         load_weights(ckpt, model())
         out = {"checkpoint": str(ckpt), "iteration": _iteration(ckpt), **evaluate(model(), tok, sets, cfg)}
     if cfg.eval.tasks:
-        out["lm_eval"] = _lm_eval(cfg, ctx, model(), tok, stops, stage, manager(), chat, sets)
+        tm, own = manager()
+        out["lm_eval"] = _lm_eval(cfg, ctx, model(), tok, stops, stage, tm, own, chat)
     return {"model": out}
 
 
 class _Lazy:
-    """A value built on first use (the model's chunks, lm-eval's task manager): a gathering job whose models
+    """A value built on first use (the model's chunks, lm-eval's task manager and the own tasks' configs): a
+    gathering job whose models
     were all scored by their own jobs builds neither."""
 
     def __init__(self, build: Any) -> None:
@@ -316,12 +318,12 @@ def _lm_eval(
     stops: list[int],
     stage: str,
     manager: Any,
+    own: dict[str, dict[str, Any]],
     chat: Any,
-    sets: dict[str, Any],
 ) -> dict[str, Any]:
     """``eval.tasks`` on the weights now in ``chunks`` through the engine's lm-eval backend (one section per task);
-    ``chat``: the model's chat template (used with eval.apply_chat_template); ``sets``: the held-out sets (the
-    run's own task, stages.eval_own_tasks)."""
+    ``own``: the configs of the run's own tasks (stages.eval_own_tasks); ``chat``: the model's chat template
+    (used with eval.apply_chat_template)."""
     from engine.evaluation.lm import EngineLM
     from engine.evaluation.tasks import run_tasks
 
@@ -335,7 +337,6 @@ def _lm_eval(
         chat=chat,
     )
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", stage)  # an hf:<dir> model gets a file-safe folder name
-    own = own_task_configs(ctx.out_dir, sets, cfg)
     run = dataclasses.replace(_lm_run(cfg), tasks=[own.get(t, t) for t in cfg.eval.tasks])
     return run_tasks(lm, run, manager, Path(ctx.out_dir) / SAMPLES / name)
 

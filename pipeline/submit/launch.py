@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable, MutableMapping
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from pipeline.records.alarm_log import forward_alarms
 from pipeline.records.causes import HANG_EXIT_CODE, Evidence, classify, from_exception
@@ -178,16 +178,19 @@ def sbatch_script(cfg: PipelineConfig, stage: str, run_dir: Path, code_dir: Path
 
 
 def pending_parts(
-    cfg: PipelineConfig, run_dir: Path, stage: str, submitting: list[str]
+    cfg: PipelineConfig, run_dir: Path, stage: str, submitting: list[str], out: TextIO
 ) -> list[tuple[str, tuple[str, ...]]]:
     """``stage``'s parts (pipeline.schema.graph.parts) to run now: those without a result for this config,
-    and every one that reads a stage run again in this submission. The others are reported as skipped."""
+    and every one that reads a stage run again in this submission. The others are reported to ``out`` as
+    skipped."""
     identity, out_dir = stage_hashes(cfg)[stage], stage_out_dir(run_dir, stage)
-    return [
-        (part, reads)
-        for part, reads in parts(stage, cfg)
-        if set(reads) & set(submitting) or read_part(out_dir, part, identity) is None
-    ]
+    todo = []
+    for part, reads in parts(stage, cfg):
+        if set(reads) & set(submitting) or read_part(out_dir, part, identity) is None:
+            todo.append((part, reads))
+        else:
+            print(f"[{stage}:{part}] done earlier with the same config: skipped", file=out)
+    return todo
 
 
 def mark_submitted(

@@ -134,12 +134,8 @@ def execute(cfg: PipelineConfig, *, out: TextIO | None = None) -> int:
     try:
         for s in d.submit:
             python = server.python if server and SPECS[s].torch else None
-            todo = dict(pending_parts(cfg, run_dir, s, d.submit))
-            for part, _ in parts(s, cfg):  # one job per part, then the stage's own job gathers them
-                if part in todo:
-                    _run_one_local(cfg, s, run_dir, ledger, out, python=python, part=part)
-                else:
-                    print(f"[{s}:{part}] done earlier with the same config: skipped", file=out)
+            for part, _ in pending_parts(cfg, run_dir, s, d.submit, out):  # then the stage's job gathers them
+                _run_one_local(cfg, s, run_dir, ledger, out, python=python, part=part)
             _run_one_local(cfg, s, run_dir, ledger, out, python=python)
     finally:
         if server:

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 from pipeline.records import progress
 from pipeline.records.ledger import ACTIVE, CANCELLED, COMPLETED, FAILED, RUNNING, Ledger
 from pipeline.schema.config import PipelineConfig
-from pipeline.schema.graph import parts, upstream
+from pipeline.schema.graph import upstream
 from pipeline.slurm.queries import ALIVE_STATES, cancel_jobs, job_state, slurm_job_alive  # noqa: F401  (re-exported)
 from pipeline.submit.launch import (
     make_executor,
@@ -130,18 +130,9 @@ def _submit_parts(
     """Submit ``stage``'s parts (Stage.parts) that have no result for this config, each after only the stages
     it reads; a part whose stage runs again in this submission is redone. Returns {part: job id}."""
     ids: dict[str, str] = {}
-    todo = pending_parts(cfg, run_dir, stage, stages)
-    for part, _ in parts(stage, cfg):
-        if part not in dict(todo):
-            print(f"[{stage}:{part}] done earlier with the same config: skipped", file=out)
-    for part, reads in todo:
+    for part, reads in pending_parts(cfg, run_dir, stage, stages, out):
         deps = _dependency_ids(stage, jobs, ledger, among=reads)
-        ex = _executor(cfg, run_dir, stage, code_dir, deps)
-        try:
-            job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), None, part)
-        except (OSError, RuntimeError) as e:
-            raise SubmitError(_rejected(stage, e, part)) from None
-        ids[part] = str(job.job_id)
+        ids[part] = str(_sbatch(cfg, run_dir, stage, code_dir, deps, part).job_id)
         spawned.append(ids[part])
         ledger.event("submitted", stage, part=part, job_id=ids[part], dependency=deps)
         print(
@@ -167,17 +158,21 @@ def _dependency_ids(
     return deps
 
 
-def _executor(cfg: PipelineConfig, run_dir: Path, stage: str, code_dir: Path, deps: list[str]) -> Any:
-    ex = make_executor(cfg, stage, run_dir, code_dir)
-    if deps:
-        ex.update_parameters(dependency="afterok:" + ":".join(deps))
-    return ex
-
-
-def _rejected(stage: str, e: BaseException, part: str | None = None, captured: str = "") -> str:
-    msg = _one_line(str(e) or captured or type(e).__name__)
-    what = f"stage {stage!r}" + (f" (part {part!r})" if part else "")
-    return f"sbatch rejected {what}: {msg}; fix: {fix_for(msg)}"
+def _sbatch(
+    cfg: PipelineConfig, run_dir: Path, stage: str, code_dir: Path, deps: list[str], part: str | None = None
+) -> Any:
+    """Submit the job of ``stage`` (or of one ``part`` of it) after ``deps``; SubmitError with SLURM's message."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):  # submitit echoes sbatch's stderr: we print it once
+            ex = make_executor(cfg, stage, run_dir, code_dir)
+            if deps:
+                ex.update_parameters(dependency="afterok:" + ":".join(deps))
+            return ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), None, part)
+    except (OSError, RuntimeError) as e:  # submitit's FailedJobError/FailedSubmissionError are RuntimeErrors
+        msg = _one_line(str(e) or captured.getvalue() or type(e).__name__)
+        what = f"stage {stage!r}" + (f" (part {part!r})" if part else "")
+        raise SubmitError(f"sbatch rejected {what}: {msg}; fix: {fix_for(msg)}") from None
 
 
 def _submit_stage(
@@ -192,17 +187,9 @@ def _submit_stage(
     """Submit one stage's job (cancelling a leftover of an earlier submission) and record it in the ledger,
     with the jobs of its ``pieces`` (its parts submitted now) before its own."""
     prev = ledger.read(stage)
-    if prev and prev.job_ids:
-        old = [j for j in prev.job_ids if j not in (pieces or {}).values()]
-        cancel_jobs([j for j in old if slurm_job_alive(j)])  # e.g. dependents left pending
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):  # submitit echoes sbatch's stderr: we print it once
-            job = _executor(cfg, run_dir, stage, code_dir, deps).submit(
-                run_stage, stage, cfg.to_dict(), str(run_dir), None
-            )
-    except (OSError, RuntimeError) as e:  # submitit's FailedJobError/FailedSubmissionError are RuntimeErrors
-        raise SubmitError(_rejected(stage, e, captured=captured.getvalue())) from None
+    if prev and prev.job_ids:  # an earlier submission's (its parts' too)
+        cancel_jobs([j for j in prev.job_ids if slurm_job_alive(j)])  # e.g. dependents left pending
+    job = _sbatch(cfg, run_dir, stage, code_dir, deps)
     job_id = str(job.job_id)
     extra = {"code_dir": str(code_dir), "dependency": deps, "stderr": str(job.paths.stderr)}
     mark_submitted(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from pipeline.records.parts import part_file, read_part, write_part
@@ -42,9 +43,8 @@ def test_pending_parts_skip_done_ones_unless_what_they_read_runs_again(tmp_path:
     out = tmp_path / "stages" / "eval"
     write_part(out, "sft", stage_hashes(cfg)["eval"], {"model": {}})
     write_part(out, "rlhf", "another config", {"model": {}})
-    assert [p for p, _ in pending_parts(cfg, tmp_path, "eval", ["eval"])] == ["pretrain", "rlhf"]
-    assert [p for p, _ in pending_parts(cfg, tmp_path, "eval", ["sft", "eval"])] == [
-        "pretrain",
-        "sft",
-        "rlhf",
-    ]
+    said = io.StringIO()
+    assert [p for p, _ in pending_parts(cfg, tmp_path, "eval", ["eval"], said)] == ["pretrain", "rlhf"]
+    assert said.getvalue() == "[eval:sft] done earlier with the same config: skipped\n"
+    todo = pending_parts(cfg, tmp_path, "eval", ["sft", "eval"], io.StringIO())
+    assert [p for p, _ in todo] == ["pretrain", "sft", "rlhf"]
