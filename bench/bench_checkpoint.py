@@ -70,7 +70,8 @@ def _engine(spec: dict[str, Any]) -> Any:
     return trainer
 
 
-def _save(trainer: Any, step: int, async_save: bool) -> float:
+def timed_save(trainer: Any, step: int, async_save: bool) -> float:
+    """The seconds one ``Checkpointer.save`` blocks the loop (async: until its writer is forked)."""
     ckpt = trainer.checkpointer
     ckpt.save(
         step, trainer.chunks, trainer.optimizer, trainer.scheduler, trainer.state(), async_save=async_save
@@ -83,7 +84,7 @@ def _async_stall(trainer: Any, step: int) -> tuple[float, int]:
     from engine.checkpoint.writer import pending_async
 
     ckpt = trainer.checkpointer
-    stall, steps, committed = _save(trainer, step, async_save=True), 0, len(ckpt.finalize_seconds)
+    stall, steps, committed = timed_save(trainer, step, async_save=True), 0, len(ckpt.finalize_seconds)
     while pending_async():
         trainer.train_step(steps)
         steps += 1
@@ -108,9 +109,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     trainer = _engine(spec)
     try:
         n, step = spec["repeats"], 1
-        _save(trainer, step, async_save=False)  # warm-up: helper processes start on the first save
+        timed_save(trainer, step, async_save=False)  # warm-up: helper processes start on the first save
         _async_stall(trainer, step + 1)
-        sync = [_save(trainer, step + 2 + i, async_save=False) for i in range(n)]
+        sync = [timed_save(trainer, step + 2 + i, async_save=False) for i in range(n)]
         stalls = [_async_stall(trainer, step + 2 + n + i) for i in range(n)]
         loads = [_load(trainer) for _ in range(n)]
         latest = max(Path(spec["ckpt"]).glob("iter_*"))

@@ -1,17 +1,20 @@
-"""Generation tokens/s of the engine's generator with megatron's KV cache against full recomputation.
+"""Generation tokens/s of the engine's generator against ``transformers`` ``generate`` and full recomputation.
 
-    python -m bench.bench_generate [--batch 8] [--prompt 32] [--new 64] [--rounds 2] [--threads 2] [--json F]
+    python -m bench.bench_generate [--batch 8 64] [--prompt 32] [--new 64] [--rounds 2] [--threads 2] [--json F]
 
 Same model (megatron GPTModel, random weights, fp32 on CPU / the GPU when there is one), same prompts, same
-thread count; greedy decoding, so both paths must produce the same tokens (checked). Prints the best of
-``--rounds`` for each path and the ratio cache / recompute.
+thread count. For each batch size, two modes: greedy, and sampled (temperature 0.8, top-k 50, top-p 0.95;
+both generators seeded, so samples differ between them but follow the same distribution). Prints the best of
+``--rounds`` for each path.
 
-Against ``transformers`` ``generate`` (CPU, ``--no-hf`` skips it): the model is Llama-shaped (RMSNorm, SwiGLU,
-RoPE, no biases), saved as a checkpoint and exported with the project's exporter
-(``engine.convert.hf_export.export``, which checks its logits against megatron's); transformers then
-generates greedily from the same left-padded prompts with its KV cache, in a fresh process with the same
-thread count, exactly ``--new`` tokens each. Prints its tokens/s, the ratio engine (KV cache) / transformers,
-and the share of prompts whose greedy tokens are identical in both.
+- Engine with megatron's KV cache against full recomputation (greedy, the first batch size): both must give
+  the same tokens (checked); ratio cache / recompute.
+- Against ``transformers`` ``generate`` (CPU, ``--no-hf`` skips it): the model is Llama-shaped (RMSNorm, SwiGLU,
+  RoPE, no biases), saved as a checkpoint and exported with the project's exporter
+  (``engine.convert.hf_export.export``, which checks its logits against megatron's); transformers then
+  generates from the same left-padded prompts with its KV cache, in a fresh process with the same thread
+  count, exactly ``--new`` tokens each. Prints its tokens/s, the ratio engine / transformers, and for greedy
+  the share of prompts whose tokens are identical in both.
 """
 
 from __future__ import annotations
@@ -40,31 +43,37 @@ MODEL = {
 }
 VOCAB = 4096
 
+SAMPLED = {"temperature": 0.8, "top_k": 50, "top_p": 0.95}
+MODES = {"greedy": {}, "sampled": SAMPLED}
+
 HF_GENERATE = """
 import json, sys, time, torch
 from transformers import AutoModelForCausalLM
-model_dir, prompts_file, new, rounds, threads = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+model_dir, prompts_file, modes, new, rounds, threads = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
 torch.set_num_threads(threads)
-prompts = json.load(open(prompts_file))
 m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-width = max(len(p) for p in prompts)
-ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-best, out = 0.0, None
-for _ in range(rounds):
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True)
-    dt = time.perf_counter() - t0
-    best = max(best, len(prompts) * new / dt)
-print(json.dumps({"tokens_per_s": best, "tokens": out[:, width:].tolist()}))
+figures = {}
+for batch, prompts in json.load(open(prompts_file)).items():
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    for mode, kw in json.loads(modes).items():
+        torch.manual_seed(0)
+        best, out = 0.0, None
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=bool(kw), **kw, pad_token_id=0, eos_token_id=None, use_cache=True)
+            best = max(best, len(prompts) * new / (time.perf_counter() - t0))
+        figures[f"{batch}/{mode}"] = {"tokens_per_s": best, "tokens": out[:, width:].tolist()}
+print(json.dumps(figures))
 """
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 64], help="batch sizes")
     ap.add_argument("--prompt", type=int, default=32, help="longest prompt (others are shorter)")
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
     ap.add_argument("--rounds", type=int, default=2)
@@ -75,6 +84,47 @@ def main() -> None:
 
     import torch
 
+    g = torch.Generator().manual_seed(0)
+    prompts = {
+        b: [
+            torch.randint(0, VOCAB, (max(1, args.prompt - (i * 5) % args.prompt),), generator=g).tolist()
+            for i in range(b)
+        ]
+        for b in args.batch
+    }
+    engine, state = engine_generate(prompts, args)
+    print(
+        f"generation, {engine['device']}, prompts <= {args.prompt}, {args.new} new tokens, {args.threads} threads"
+    )
+    print(
+        f"  batch {args.batch[0]} greedy: kv cache {engine['kv_cache']:.1f} vs recompute {engine['recompute']:.1f}"
+        f" tokens/s, ratio cache/recompute = {engine['ratio']:.2f}x (same tokens)"
+    )
+    figures: dict[str, Any] = {k: engine[k] for k in ("kv_cache", "recompute", "ratio", "device")}
+    hf = {} if args.no_hf else hf_generate(state, prompts, args)
+    for key, run in engine["runs"].items():
+        line = f"  batch {key.replace('/', ' '):15s} engine {run['tokens_per_s']:8.1f} tokens/s"
+        figures[key] = {"engine": run["tokens_per_s"]}
+        if key in hf:
+            ratio = run["tokens_per_s"] / hf[key]["tokens_per_s"]
+            figures[key] |= {"transformers": hf[key]["tokens_per_s"], "ratio": ratio}
+            line += (
+                f"  transformers {hf[key]['tokens_per_s']:8.1f} tokens/s  engine/transformers {ratio:.2f}x"
+            )
+            if key.endswith("greedy"):
+                same = sum(a == b for a, b in zip(hf[key]["tokens"], run["tokens"]))
+                figures[key]["same_tokens"] = same / len(run["tokens"])
+                line += f"  identical tokens {same}/{len(run['tokens'])}"
+        print(line)
+    if args.no_hf:
+        print("  transformers generate: skipped (--no-hf)")
+    if args.json:
+        args.json.write_text(json.dumps(figures) + "\n")
+
+
+def engine_generate(prompts: dict[int, list[list[int]]], args: Any) -> tuple[dict[str, Any], list[Any]]:
+    """The engine's figures per ``batch/mode`` (and KV cache vs recomputation) and the model's weights."""
+
     from engine.models.generate import SamplingParams, generate
     from engine.models.gpt import build_model
     from engine.runtime import distributed as D
@@ -84,54 +134,42 @@ def main() -> None:
     D.init(1, 1, seed=1, threads=args.threads)
     try:
         chunks = build_model(ModelConfig(**MODEL), ParallelConfig(), VOCAB)
-        g = torch.Generator().manual_seed(0)
-        lengths = [max(1, args.prompt - (i * 5) % args.prompt) for i in range(args.batch)]
-        prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-        params = SamplingParams(max_new_tokens=args.new)
-        best: dict[str, float] = {}
-        tokens: dict[str, list[list[int]]] = {}
-        for _ in range(args.rounds):
-            for name, cache in (("kv_cache", True), ("recompute", False)):
+
+        def best(batch: list[list[int]], cache: bool = True, **kw: Any) -> tuple[float, list[list[int]]]:
+            top, out = 0.0, None
+            for _ in range(args.rounds):
                 t0 = time.perf_counter()
-                out = generate(chunks, prompts, params, vocab_size=VOCAB, use_cache=cache)
-                dt = time.perf_counter() - t0
-                n = sum(len(t) for t in out.tokens)
-                best[name] = max(best.get(name, 0.0), n / dt)
-                tokens[name] = out.tokens
-        if tokens["kv_cache"] != tokens["recompute"]:
+                out = generate(
+                    chunks,
+                    batch,
+                    SamplingParams(max_new_tokens=args.new, **kw),
+                    vocab_size=VOCAB,
+                    use_cache=cache,
+                )
+                top = max(top, sum(len(t) for t in out.tokens) / (time.perf_counter() - t0))
+            assert out is not None
+            return top, out.tokens
+
+        runs = {}
+        for b, batch in prompts.items():
+            for mode, kw in MODES.items():
+                rate, tokens = best(batch, **kw)
+                runs[f"{b}/{mode}"] = {"tokens_per_s": rate, "tokens": tokens}
+        first = args.batch[0]
+        recompute, tokens = best(prompts[first], cache=False)
+        if tokens != runs[f"{first}/greedy"]["tokens"]:
             raise SystemExit("bench_generate: the KV cache and recomputation produced different tokens")
-        ratio = best["kv_cache"] / best["recompute"]
-        dev = D.device()
-        print(
-            f"generation, {dev.type}, batch {args.batch}, prompts <= {args.prompt}, {args.new} new tokens, "
-            f"{args.threads} threads"
-        )
-        print(f"  kv cache     {best['kv_cache']:10.1f} tokens/s")
-        print(f"  recompute    {best['recompute']:10.1f} tokens/s")
-        print(f"  ratio cache/recompute = {ratio:.2f}x")
-        figures: dict[str, Any] = {**best, "ratio": ratio, "device": dev.type}
-        if not args.no_hf:
-            state = [c.state_dict() for c in chunks]  # the same weights, for the export
+        cached = runs[f"{first}/greedy"]["tokens_per_s"]
+        figures = {"runs": runs, "kv_cache": cached, "recompute": recompute, "ratio": cached / recompute}
+        figures["device"] = D.device().type
+        return figures, [c.state_dict() for c in chunks]  # the same weights, for the export
     finally:
         D.shutdown()
-    if not args.no_hf:
-        hf = hf_generate(state, prompts, args)
-        figures["transformers"] = hf["tokens_per_s"]
-        figures["ratio_vs_transformers"] = best["kv_cache"] / hf["tokens_per_s"]
-        same = sum(a == b for a, b in zip(hf["tokens"], tokens["kv_cache"]))
-        figures["same_tokens"] = same / len(prompts)
-        print(
-            f"  transformers {hf['tokens_per_s']:10.1f} tokens/s (generate, KV cache, same weights and threads)"
-        )
-        print(f"  ratio engine(cache)/transformers = {figures['ratio_vs_transformers']:.2f}x")
-        print(f"  identical greedy tokens: {same}/{len(prompts)} prompts")
-    else:
-        print("  transformers generate: skipped (--no-hf)")
-    if args.json:
-        args.json.write_text(json.dumps(figures) + "\n")
 
 
-def hf_generate(state: list[dict[str, Any]], prompts: list[list[int]], args: Any) -> dict[str, Any]:
+def hf_generate(
+    state: list[dict[str, Any]], prompts: dict[int, list[list[int]]], args: Any
+) -> dict[str, Any]:
     """Export the weights (checkpoint -> the project's exporter) and time transformers' generate on them."""
     import subprocess
     import tempfile
@@ -161,6 +199,7 @@ def hf_generate(state: list[dict[str, Any]], prompts: list[list[int]], args: Any
         argv = [
             str(tmp / "hf"),
             str(tmp / "prompts.json"),
+            json.dumps(MODES),
             str(args.new),
             str(args.rounds),
             str(args.threads),

@@ -1,13 +1,17 @@
 """An ASHA search against the same points as a grid run to completion, on the tiny model, in one script.
 
     python -m bench.bench_search [--lrs 1e-3,3e-3,6e-3,1e-2] [--warmups 1,2,4,8] [--iters 24] [--concurrent 2]
+                                 [--min-resource N] [--threads N]
 
 Grid: ``python -m pipeline -m pretrain.lr=<lrs> pretrain.warmup_iters=<warmups>`` (today's sweep: every point to
 the end, one after another). Search: the same points as ``choice(...)`` keys, ``search.sampler=grid`` (each
 point once), ``search.pruner=asha``, ``search.n_trials`` = the number of points, ``search.max_concurrent`` trials
 in flight. Prints, search / grid: the training steps run (compute, independent of the machine's load), the
+CPU-seconds used (the machine's busy CPU time while each ran: run it on an otherwise idle machine), the
 slot-seconds (each trial's wall time in its slot), the best final valid loss of each (and their gap), and the
 search's idle slot share (1 - busy slot-seconds / (slots x its span from first submission to last end)).
+Threads: the grid's stages run at their default, the search's local trials at cores // concurrent
+(pipeline.search.controller.thread_caps); ``--threads N`` sets ``pretrain.threads=N`` for both.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from pipeline.search.study import load_study
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def base(iters: int) -> list[str]:
+def base(iters: int, threads: int | None) -> list[str]:
     return [
+        *([f"pretrain.threads={threads}"] if threads else []),
         "experiment=tiny",
         "run.stages=[data_prep,pretrain]",
         f"pretrain.iters={iters}",
@@ -40,6 +45,14 @@ def base(iters: int) -> list[str]:
     ]
 
 
+def cpu_busy_s() -> float:
+    """Busy CPU seconds of the whole machine so far (every process: the detached controller and jobs too)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return float(sum(t) - t.idle - getattr(t, "iowait", 0.0))
+
+
 def steps_and_loss(run_dir: Path) -> tuple[int, float | None]:
     recs = read_metrics(run_dir, "pretrain")
     steps = max((int(r["step"]) for r in recs if r.get("kind") == "train"), default=0)
@@ -48,7 +61,7 @@ def steps_and_loss(run_dir: Path) -> tuple[int, float | None]:
 
 
 def run_grid(root: Path, a: argparse.Namespace) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "pipeline", "-m", *base(a.iters), f"run.root={root}"]
+    cmd = [sys.executable, "-m", "pipeline", "-m", *base(a.iters, a.threads), f"run.root={root}"]
     cmd += [f"pretrain.lr={a.lrs}", f"pretrain.warmup_iters={a.warmups}"]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
     steps, slot, best = 0, 0.0, float("inf")
@@ -61,11 +74,26 @@ def run_grid(root: Path, a: argparse.Namespace) -> dict[str, float]:
     return {"steps": steps, "slot_s": slot, "best": best}
 
 
+def min_resource(a: argparse.Namespace) -> int:
+    """ASHA's first rung: ``--min-resource``, or about iters / 27 (at least 4): three rungs below the full length
+    at reduction factor 3, whatever the length (a fixed 4 steps makes six rungs of 2400 and prunes too early)."""
+    return a.min_resource or max(4, a.iters // 27)
+
+
 def run_search(root: Path, a: argparse.Namespace) -> dict[str, float]:
     n = len(a.lrs.split(",")) * len(a.warmups.split(","))
-    cmd = [sys.executable, "-m", "pipeline", "-m", *base(a.iters), f"run.root={root}", "search=optuna"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "-m",
+        *base(a.iters, a.threads),
+        f"run.root={root}",
+        "search=optuna",
+    ]
     cmd += [f"pretrain.lr=choice({a.lrs})", f"pretrain.warmup_iters=choice({a.warmups})"]
-    cmd += ["search.sampler=grid", "search.pruner=asha", "search.min_resource=4", f"search.n_trials={n}"]
+    cmd += ["search.sampler=grid", "search.pruner=asha", f"search.min_resource={min_resource(a)}"]
+    cmd += [f"search.n_trials={n}"]
     cmd += [f"search.max_concurrent={a.concurrent}", "search.poll_s=0.5"]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
     while controller_alive(root) or not (root / ".search" / "journal.log").is_file():
@@ -97,12 +125,20 @@ def main() -> None:
     p.add_argument("--warmups", default="1,2,4,8")
     p.add_argument("--iters", type=int, default=24)
     p.add_argument("--concurrent", type=int, default=2)
+    p.add_argument(
+        "--min-resource", type=int, default=None, help="ASHA's first rung in steps (default: iters/27)"
+    )
+    p.add_argument("--threads", type=int, default=None, help="pretrain.threads of both (default: see above)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        t0 = cpu_busy_s()
         grid = run_grid(Path(tmp) / "grid", a)
+        t1 = cpu_busy_s()
         search = run_search(Path(tmp) / "search", a)
+        grid["cpu_s"], search["cpu_s"] = t1 - t0, cpu_busy_s() - t1
     print(json.dumps({"grid": grid, "search": search}, indent=1))
-    print(f"training steps, search / grid:  {search['steps'] / grid['steps']:.2f}  (goal <= 0.5)")
+    print(f"CPU-seconds, search / grid:     {search['cpu_s'] / grid['cpu_s']:.2f}  (goal <= 0.5)")
+    print(f"training steps, search / grid:  {search['steps'] / grid['steps']:.2f}")
     print(f"slot-seconds, search / grid:    {search['slot_s'] / grid['slot_s']:.2f}")
     print(
         f"best final valid loss: search {search['best']:.4f}, grid {grid['best']:.4f} "

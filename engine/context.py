@@ -52,6 +52,9 @@ class StageContext:
     may_requeue: bool = False
     """The job runs under SLURM with requeues left (``restarts < cluster.max_requeues``): a hung rank may ask
     for a requeue (engine.runtime.signals.Watchdog)."""
+    injob_left: int = 0
+    """In-job restarts left after this attempt (cluster.injob_restarts, pipeline/submit/injob.py): a hung rank
+    exits without a requeue, its task's supervisor starts every rank again inside the job."""
     on_hang: tuple[Callable[[], None], ...] = ()
     """Called by a firing hang watchdog just before the rank exits (the local launcher ends the job's other
     ranks: pipeline.submit.launch.end_local_job)."""

@@ -193,7 +193,6 @@ def build_stage(
     from engine.callbacks.setup import flops_per_step, peak_tflops, stage_callbacks
     from engine.checkpoint.integrity import set_verify_mode
     from engine.data.datasets import load_tokenizer
-    from engine.data.truncation import stage_limit
     from engine.models.gpt import build_model
     from engine.models.moe import routing_stats
     from engine.runtime import distributed as D
@@ -207,7 +206,8 @@ def build_stage(
     par, plan = st.parallel, ctx.plan
     marks = {"imports": time.time()}
     stop_flag = StopFlag().install()  # before init: a signal during start-up is not lost
-    watchdog = Watchdog(st.hang_timeout_s, may_requeue=ctx.may_requeue, on_hang=ctx.on_hang).start()
+    requeue_on_hang = ctx.may_requeue and not ctx.injob_left  # else restarted inside the job
+    watchdog = Watchdog(st.hang_timeout_s, may_requeue=requeue_on_hang, on_hang=ctx.on_hang).start()
     vpp = plan.vpp if plan else par.vpp
     D.init(par.tp, par.pp, vpp, ep=par.ep, etp=par.etp, seed=st.seed, threads=st.threads, env=ctx.dist)
     faults = FaultInjector(ctx.out_dir, D.rank(), ctx.faults)
@@ -225,12 +225,10 @@ def build_stage(
     train_unit, train_source, valid_source = _stage_data(env, sources, unit)
     cut = train_unit.truncation if train_unit is not None else train_source.truncation
     metrics = MetricsWriter(ctx.metrics_path, enabled=D.is_rank0())
-    if cut is not None:  # the console line (pipeline.records.progress prints info messages)
-        line = stage_limit(ctx.stage, st.max_truncated_fraction).describe(cut)
-        metrics.write({"kind": "info", "message": line, "truncation": cut.as_dict()})
+    _note_truncation(metrics, ctx.stage, st, cut)
     callbacks = stage_callbacks(cfg, ctx, st, metrics, D.rank(), D.world_size())
     cleanup.callback(callbacks.close)
-    check_health(cfg, metrics, callbacks)
+    check_health(cfg, metrics, callbacks, ctx.may_requeue)
     flops = flops_per_step(cfg, st, seq_length, tokenizer.vocab_size, step.sequences_per_sample)
     services = LoopServices(
         metrics=metrics,
@@ -242,6 +240,7 @@ def build_stage(
         meter=StepMeter(flops, peak_tflops(cfg), D.world_size()),
         routing=routing_stats(chunks, cfg.model, par),
         tasks=_in_loop_tasks(cfg, ctx, st, tokenizer, seq_length),
+        stragglers=straggler_monitor(cfg, chunks, ctx.may_requeue),
     )
     trainer = Trainer(
         chunks,
@@ -259,28 +258,70 @@ def build_stage(
     return BuiltStage(trainer, ckpt, metrics, weights_loaded, marks, cut)
 
 
-def check_health(cfg: PipelineConfig, metrics: MetricsWriter, callbacks: Any) -> None:
-    """``cluster.health.policy=warn``: the node check on every rank before training; rank 0 writes a ``health``
-    line, and a ``slow_node`` alarm naming each slow or failing node (log, status, sinks)."""
-    if cfg.cluster.health.policy == "off":
+def _note_truncation(metrics: MetricsWriter, stage: str, st: TrainStage, cut: Truncation | None) -> None:
+    """What cutting the stage's examples cost, as an info line (pipeline.records.progress prints it)."""
+    if cut is None:
         return
-    from engine.runtime.health import node_check
+    from engine.data.truncation import stage_limit
+
+    line = stage_limit(stage, st.max_truncated_fraction).describe(cut)
+    metrics.write({"kind": "info", "message": line, "truncation": cut.as_dict()})
+
+
+def check_health(cfg: PipelineConfig, metrics: MetricsWriter, callbacks: Any, may_requeue: bool) -> None:
+    """``cluster.health.policy`` warn or exclude: the node check on every rank before training; rank 0 writes a
+    ``health`` line, and a ``slow_node`` alarm naming each slow or failing node (log, status, sinks). exclude,
+    with a requeue left (``may_requeue``) and enough nodes left in the partition: every rank then raises
+    NodesExcluded (the launcher requeues the job without those nodes)."""
+    policy = cfg.cluster.health.policy
+    if policy == "off":
+        return
+    from engine.runtime import distributed as D
+    from engine.runtime.health import NodesExcluded, exclusion_blocked, node_check
 
     report = node_check(cfg.cluster.health)
-    if report is None:
-        return
-    metrics.write(report.as_record())
-    for host, why in report.slow.items():
-        rec = {
-            "kind": "alarm",
-            "alarm": "slow_node",
-            "step": None,
-            "host": host,
-            "message": f"node {host}: {why}",
-        }
-        log.warning("health check: node %s is slow or sick (%s); policy warn: training goes on", host, why)
-        metrics.write(rec)
-        callbacks.emit("on_alarm", 0, rec)
+    slow: dict[str, str] = D.broadcast_object(report.slow if report is not None else {})
+    excluding = policy == "exclude" and bool(slow) and may_requeue
+    blocked = exclusion_blocked(sorted(slow)) if excluding else None
+    excluding = excluding and blocked is None
+    if report is not None:
+        metrics.write(report.as_record())
+        for host, why in slow.items():
+            rec = {
+                "kind": "alarm",
+                "alarm": "slow_node",
+                "step": None,
+                "host": host,
+                "message": f"node {host}: {why}" + (f"; not excluded: {blocked}" if blocked else ""),
+            }
+            then = (
+                "excluding it and requeueing the job" if excluding else f"policy {policy}: training goes on"
+            )
+            if blocked:
+                then = f"it cannot be excluded ({blocked}): training goes on"
+            log.warning("health check: node %s is slow or sick (%s); %s", host, why, then)
+            metrics.write(rec)
+            callbacks.emit("on_alarm", 0, rec)
+    if excluding:
+        raise NodesExcluded(slow)
+
+
+def straggler_monitor(cfg: PipelineConfig, chunks: list[Any], may_requeue: bool) -> Any:
+    """``cluster.health.straggler_interval``: the loop's straggler checks (None: off, or a frozen model)."""
+    health = cfg.cluster.health
+    if not health.straggler_interval:
+        return None
+    import socket
+
+    from engine.models.gpt import sync_clock
+    from engine.runtime import distributed as D
+    from engine.runtime.stragglers import StragglerMonitor
+
+    clock = sync_clock(chunks)
+    if clock is None:
+        return None
+    exclude = health.policy == "exclude" and may_requeue
+    return StragglerMonitor(health, clock, socket.gethostname(), D.rank(), D.pp_rank(), exclude)
 
 
 def _stage_data(env: StageEnv, sources: Sources | None, unit: UnitFactory | None) -> tuple[Any, Any, Any]:

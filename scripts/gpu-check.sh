@@ -8,7 +8,7 @@
 # Steps: 1. find a CUDA GPU (none: say so, run the gpu-marked tests so they report skipped, exit 0);
 # 2. a venv (.gpu-venv, --system-site-packages: the image's torch stays) with the carried wheels, offline;
 # 3. every pytest test marked gpu (tests/gpu/test_gpu.py: the tiny graph end to end on CUDA, bf16/fp16 steps,
-# SDPA vs unfused attention, bit-exact resume, a tiny MoE in bf16 and fp32 (grouped GEMM where TE is present); tests/bench/test_bench.py's GPU bench); 4. the MFU benchmark
+# SDPA vs unfused attention, bit-exact resume, a tiny MoE in bf16 and fp32 (grouped GEMM where TE is present), RoPE generation with the KV cache vs recomputation; tests/bench/test_bench.py's GPU bench); 4. the MFU benchmark
 # (python -m bench.bench_throughput --gpu-only: Llama 3.2 1B and 3B shapes, bf16, seq 4096 and 8192, tokens/s,
 # TFLOP/s, MFU against 790 TFLOP/s, torch profiler summary). Budget: 8 minutes (GPU_CHECK_BUDGET_S).
 # Exit status: 0 when every step passed (or no GPU), else the number of failed steps.

@@ -410,7 +410,7 @@ def _load_sets(data: Path, tok: Any, cfg: PipelineConfig) -> dict[str, Any]:
     manifest = read_manifest(data, verify=False)
     task = task_prompts(data, "eval_task", tok)[: ev.num_task_examples]
     room = seq - ev.max_new_tokens  # a longer prompt is cut on the left (generate)
-    rows, cut = held_out_pairs(data, tok, seq)  # pairs left without a reply token are left out
+    rows, pair_texts, cut = held_out_pairs(data, tok, seq)  # pairs left without a reply token are left out
     pref = stacked_source(rows, cfg.data.seed, "eval pairs") if rows else None  # its seeded order
     return {
         "stop_tokens": manifest.get("stop_token_ids"),
@@ -420,6 +420,7 @@ def _load_sets(data: Path, tok: Any, cfg: PipelineConfig) -> dict[str, Any]:
         "task_prompts_cut": sum(len(ids) > room for ids in tok.encode_batch([r["prompt"] for r in task])),
         "pref": [pref[i] for i in range(len(pref))] if pref is not None else [],
         "pref_pairs_left_out": cut.emptied,
+        "pref_texts": pair_texts,
     }
 
 

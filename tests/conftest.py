@@ -9,6 +9,7 @@
 # Processes of other sessions on the machine (other uuids) are never counted or touched.
 import os as _os
 import signal as _signal
+import sys as _sys
 import time as _time
 import uuid as _uuid
 from pathlib import Path as _Path
@@ -32,6 +33,18 @@ def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def
     for item in items:
         if "slurm_cluster" in item.fixturenames:
             item.add_marker(_pytest.mark.xdist_group("slurm"))
+
+
+@_pytest.fixture(autouse=True)
+def _engine_patches_stay_in_workers():  # type: ignore[no-untyped-def]
+    """The engine's CPU patches of torch (engine.runtime.cpu_compat) belong to rank processes: a test that
+    installs them in the pytest process fails here, not a later test on the same xdist worker."""
+    yield
+    compat = _sys.modules.get("engine.runtime.cpu_compat")
+    if compat is not None and compat.installed():
+        _pytest.fail(
+            "engine.runtime.cpu_compat was installed in the pytest process: run the engine in a worker"
+        )
 
 
 def session_processes(marker: str) -> list[tuple[int, str]]:

@@ -44,7 +44,11 @@ GAUGES = {
     "llm_checkpoint_save_seconds": "Duration of the last checkpoint save",
 }
 COUNTERS = {"llm_alarms": "Alarms raised by the stage (label alarm)"}
-NAMES = (*GAUGES, *(f"{c}_total" for c in COUNTERS))
+BY_NODE = {
+    "llm_straggler_score": "A node's slowest rank's own step time over its pipeline stage's median at the last "
+    "straggler check (label node; cluster.health.straggler_interval)"
+}
+NAMES = (*GAUGES, *BY_NODE, *(f"{c}_total" for c in COUNTERS))
 """Every metric name the sink exports (counters with Prometheus's ``_total`` suffix)."""
 FIELDS = {
     "loss": "llm_loss",
@@ -68,6 +72,7 @@ class Prometheus(Callback):
         self.alarms = Counter(
             "llm_alarms", COUNTERS["llm_alarms"], [*labels, "alarm"], registry=self.registry
         )
+        self.by_node = {n: Gauge(n, h, [*labels, "node"], registry=self.registry) for n, h in BY_NODE.items()}
         self.labels = labels
         self.server: Any = None
         self.started = time.time()
@@ -150,6 +155,10 @@ class Prometheus(Callback):
     def on_alarm(self, view: StepView) -> None:
         self.alarms.labels(**self.labels, alarm=str(view.metrics.get("alarm", "unknown"))).inc()
         self._write_textfile()
+
+    def on_straggler(self, view: StepView) -> None:
+        for node, score in dict(view.metrics.get("nodes", {})).items():
+            self.by_node["llm_straggler_score"].labels(**self.labels, node=str(node)).set(float(score))
 
     def on_train_end(self, view: StepView) -> None:
         self._write_textfile()

@@ -398,12 +398,19 @@ def preference_rows(
 ) -> tuple[list[dict[str, np.ndarray]], Truncation]:
     """Rows [2, seq] of preference pairs (row 0 chosen, row 1 rejected, loss on the reply and its closing
     token); a pair in which either reply lost every token to the cut at ``seq_length`` is left out."""
+    rows, _, cut = _kept_pairs(_pairs(path, tpl), tokenizer, seq_length)
+    return rows, cut
+
+
+def _kept_pairs(
+    pairs: list[tuple[str, str, str]], tokenizer: Any, seq_length: int
+) -> tuple[list[dict[str, np.ndarray]], list[tuple[str, str, str]], Truncation]:
+    """``preference_rows``'s rows, the texts of the pairs they come from, and the truncation counts."""
     from engine.data.datasets import _row, _stack
 
-    pairs = _pairs(path, tpl)
     prompts, chosen, rejected = (tokenizer.encode_batch(list(x)) for x in zip(*pairs))
-    rows, truncated, emptied, longest = [], 0, 0, 0
-    for p, *replies in zip(prompts, chosen, rejected):
+    rows, kept, truncated, emptied, longest = [], [], 0, 0, 0
+    for text, p, *replies in zip(pairs, prompts, chosen, rejected):
         pair, cut, empty = [], False, False
         for r in replies:
             ids, loss = p + r, [0] * len(p) + [1] * len(r)
@@ -416,7 +423,8 @@ def preference_rows(
         emptied += empty
         if not empty:
             rows.append(_stack(pair))
-    return rows, Truncation("preference pairs", len(pairs), truncated, emptied, seq_length, longest)
+            kept.append(text)
+    return rows, kept, Truncation("preference pairs", len(pairs), truncated, emptied, seq_length, longest)
 
 
 def _preference_source(
@@ -485,11 +493,11 @@ def train_preferences(
 
 def held_out_pairs(
     data_dir: Path, tokenizer: Any, seq_length: int
-) -> tuple[list[dict[str, np.ndarray]], Truncation]:
-    """The held-out preference pairs (eval_pref.jsonl as the run renders it) as rows: eval's and the reward
-    model's validation set."""
+) -> tuple[list[dict[str, np.ndarray]], list[tuple[str, str, str]], Truncation]:
+    """The held-out preference pairs (eval_pref.jsonl as the run renders it) as rows, eval's and the reward
+    model's validation set, with the (prompt, chosen, rejected) texts of the pairs kept (eval's lm-eval task)."""
     path, tpl = _rendered_or_project(data_dir, "eval_pref_file", "eval_pref.jsonl", tokenizer)
-    return preference_rows(path, tpl, tokenizer, seq_length)
+    return _kept_pairs(_pairs(path, tpl), tokenizer, seq_length)
 
 
 TASK_PROMPTS = {"rl": ("rl_file", "rl_train.jsonl"), "eval_task": ("eval_task_file", "eval_task.jsonl")}
@@ -521,6 +529,6 @@ def held_out_preferences(
     """``held_out_pairs`` as a sample source (the reward model's validation set), checked against ``limit``."""
     from engine.data.datasets import stacked_source
 
-    rows, cut = held_out_pairs(data_dir, tokenizer, seq_length)
+    rows, _, cut = held_out_pairs(data_dir, tokenizer, seq_length)
     (limit or TruncationLimit()).check(cut)
     return stacked_source(rows, seed, f"held-out pairs ({data_dir})", truncation=cut)

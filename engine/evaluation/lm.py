@@ -17,12 +17,13 @@
   any token whose text holds an ``until`` string), decoded without special tokens and cut at the first of the
   task's ``until`` strings.
 
-Requests are sorted longest first and batched ``batch_size`` at a time (lm-eval's ``Collator``); results come
-back in request order. One rank, or the ranks of one tensor-parallel group serving the same requests (logits
-gathered over TP); data-parallel ranks (model replicas) each serve every ``dp``-th request and gather the
-others' results, so lm-eval on every rank sees all of them (not with expert parallelism, whose replicas must
-step together). With pipeline stages (and virtual ones) each forward passes through them and the last stage's
-numbers go to every stage. ``served`` counts the requests this rank computed.
+Scored requests with the same input row share it; rows and generation requests are sorted longest first and
+batched ``batch_size`` at a time; results come back in request order. One rank, or the ranks of one tensor-
+parallel group serving the same requests (logits gathered over TP); data-parallel ranks (model replicas) each
+serve every ``dp``-th request and gather the others' results, so lm-eval on every rank sees all of them (not
+with expert parallelism, whose replicas must step together). With pipeline stages (and virtual ones) each
+forward passes through them and the last stage's numbers go to every stage. ``served`` counts the requests
+this rank computed.
 """
 
 from __future__ import annotations
@@ -143,17 +144,31 @@ class EngineLM(TemplateLM):
         return out
 
     def _score(self, requests: list[tuple[Any, list[int], list[int]]]) -> list[tuple[float, bool]]:
-        collator = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])))
-        out: list[tuple[float, bool]] = []
-        for batch in collator.get_batched(n=self.batch_size):
-            rows, conts = [], []
-            for _, ctx, cont in batch:
-                if not ctx or not cont:
-                    raise ValueError("llm-pipeline: a request with an empty context or continuation")
-                rows.append((ctx + cont)[-(self.max_length + 1) :][:-1])  # cut on the left to fit
-                conts.append(cont)
-            out += score_rows(self.chunks, rows, conts, pad_id=self.tok.pad)
-        return list(collator.get_original(out))
+        """Requests whose input rows are the same tokens (a multiple-choice question's one-token answers: the
+        context alone) share one row of the forward; unique rows longest first, ``batch_size`` at a time."""
+        index: dict[tuple[int, ...], int] = {}
+        row_of = []
+        for _, ctx, cont in requests:
+            if not ctx or not cont:
+                raise ValueError("llm-pipeline: a request with an empty context or continuation")
+            row = tuple((ctx + cont)[-(self.max_length + 1) :][:-1])  # cut on the left to fit
+            row_of.append(index.setdefault(row, len(index)))
+        unique = list(index)
+        users: list[list[int]] = [[] for _ in unique]
+        for i, r in enumerate(row_of):
+            users[r].append(i)
+        order = sorted(range(len(unique)), key=lambda r: (-len(unique[r]), unique[r]))
+        out: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
+            who = [i for r in batch for i in users[r]]
+            pos = {r: k for k, r in enumerate(batch)}
+            rows = [list(unique[r]) for r in batch]
+            conts = [requests[i][2] for i in who]
+            done = score_rows(self.chunks, rows, conts, [pos[row_of[i]] for i in who], pad_id=self.tok.pad)
+            for i, res in zip(who, done):
+                out[i] = res
+        return out
 
     def _spread(self, work: Any, items: list[Any]) -> list[Any]:
         """``work`` over this data-parallel rank's share of ``items`` (every dp-th), every rank's results put
@@ -266,12 +281,16 @@ def render_chat(chat: Any, history: list[dict[str, str]], add_generation_prompt:
 
 
 def score_rows(
-    chunks: list[Any], rows: list[list[int]], conts: list[list[int]], pad_id: int = 0
+    chunks: list[Any],
+    rows: list[list[int]],
+    conts: list[list[int]],
+    row_of: list[int] | None = None,
+    pad_id: int = 0,
 ) -> list[tuple[float, bool]]:
-    """For each row (token ids) ending in its continuation ``conts[i]`` shifted by one (the row holds every token
-    but the continuation's last): the continuation's summed log-probs and whether each token is the argmax.
-    ``chunks``: this rank's model chunks; with pipeline stages the last one scores and every stage gets its
-    numbers."""
+    """For each continuation ``conts[i]`` and its row ``rows[row_of[i]]`` (default: ``rows[i]``), which ends in
+    the continuation shifted by one (it holds every token but the continuation's last): the continuation's
+    summed log-probs and whether each token is the argmax. ``chunks``: this rank's model chunks; with pipeline
+    stages the last one scores and every stage gets its numbers."""
     from engine.models.generate import forward_logits
 
     dev = D.device()
@@ -282,19 +301,23 @@ def score_rows(
     pos = torch.arange(width, device=dev).unsqueeze(0).expand_as(tokens)
     with torch.no_grad():
         logits = forward_logits(chunks, tokens, pos)
-    out = _continuations(logits, rows, conts) if logits is not None else []
+    row_of = list(range(len(conts))) if row_of is None else row_of
+    out = _continuations(logits, rows, row_of, conts) if logits is not None else []
     return D.pp_broadcast_from_last(out) if D.pp_size() > 1 else out
 
 
 def _continuations(
-    logits: torch.Tensor, rows: list[list[int]], conts: list[list[int]]
+    logits: torch.Tensor, rows: list[list[int]], row_of: list[int], conts: list[list[int]]
 ) -> list[tuple[float, bool]]:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    dev = logp.device
-    out = []
-    for i, (r, c) in enumerate(zip(rows, conts)):
-        span = logp[i, len(r) - len(c) : len(r)]  # [len(c), V]: the positions predicting the continuation
-        want = torch.tensor(c, dtype=torch.long, device=dev)
-        ll = float(span.gather(-1, want[:, None]).sum())
-        out.append((ll, bool((span.argmax(-1) == want).all())))
+    """The log-softmax of the continuations' positions only (not of every position of every row)."""
+    ends = [len(rows[r]) for r in row_of]
+    spans = [logits[r, n - len(c) : n] for r, n, c in zip(row_of, ends, conts)]  # [len(c), V] each
+    logp = torch.log_softmax(torch.cat(spans).float(), dim=-1)
+    want = torch.tensor([t for c in conts for t in c], dtype=torch.long, device=logp.device)
+    picked = logp.gather(-1, want[:, None]).squeeze(-1)
+    hits = logp.argmax(-1) == want
+    out, at = [], 0
+    for c in conts:
+        out.append((float(picked[at : at + len(c)].sum()), bool(hits[at : at + len(c)].all())))
+        at += len(c)
     return out

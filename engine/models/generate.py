@@ -84,23 +84,26 @@ def unpad(tokens: torch.Tensor, lengths: Sequence[int], side: str = "right") -> 
 
 
 def _sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
-    """[b, vocab] float logits -> [b] token ids."""
+    """[b, vocab] float logits -> [b] token ids.
+
+    Top-k and top-p work on the candidates only: the k best (``topk``, ties in its order) or, top-p alone, every
+    token in descending order; the sample is drawn among them and mapped back to its id (no full-vocabulary
+    sort, scatter and second softmax at each step)."""
     if p.temperature == 0 or p.top_k == 1:
         return logits.argmax(-1)
     logits = logits / p.temperature
+    if p.top_k == 0 and p.top_p == 1:
+        return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen).squeeze(-1)
     if p.top_k > 0:
-        k = min(p.top_k, logits.shape[-1])
-        kth = torch.topk(logits, k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        vals, ids = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1)  # descending
+    else:
+        vals, ids = torch.sort(logits, descending=True, dim=-1)
     if p.top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-        drop_sorted = before >= p.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        probs = torch.softmax(vals, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely candidates
+        vals = vals.masked_fill(before >= p.top_p, float("-inf"))
+    pick = torch.multinomial(torch.softmax(vals, dim=-1), 1, generator=gen)
+    return ids.gather(-1, pick).squeeze(-1)
 
 
 class _Runner:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine.models import moe
 from engine.models.init_weights import init_by_global_name
 from engine.runtime import distributed as D
+from engine.runtime.stragglers import SyncClock
 from pipeline.schema.config import ModelConfig
 from pipeline.schema.sections import ParallelConfig
 
@@ -126,12 +127,14 @@ def decoder_spec(model: ModelConfig, config: Any, vp_stage: int | None) -> tuple
     """The decoder's spec for ``attention_impl()`` and whether it is the local one: TE's, else megatron's local
     spec with the project's core attention and linears (every layer: dense MLP or MoE; the same checkpoint
     keys either way). Dense and MoE layers as engine/models/moe.py builds them."""
+    from engine.models.attention import set_self_attention
     from engine.models.linear import use_in
 
     local = attention_impl() != "te"
     dense, sparse = moe.layer_specs(model, config, te=not local)
-    if local:
-        for spec in (dense, sparse) if sparse is not None else (dense,):
+    for spec in (dense, sparse) if sparse is not None else (dense,):
+        set_self_attention(spec)  # keys rotated once, when cached (engine/models/attention.py)
+        if local:
             _set_core_attention(spec, model.attention_backend)
             use_in(spec)  # F.linear where megatron's linear is a plain product (engine/models/linear.py)
     return moe.block_spec(model, config, dense, sparse, vp_stage), local
@@ -248,13 +251,19 @@ def build_model(
         wrapped.append(ddp)
     if not trainable:
         return wrapped
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = SyncClock(finalize_model_grads)  # its wait: engine.runtime.stragglers
     config.no_sync_func = [m.no_sync for m in wrapped] if chunks > 1 else wrapped[0].no_sync
     if par.overlap_grad_reduce:
         config.grad_sync_func = (
             [m.start_grad_sync for m in wrapped] if chunks > 1 else wrapped[0].start_grad_sync
         )
     return wrapped
+
+
+def sync_clock(chunks: list[Any]) -> SyncClock | None:
+    """The clock of the trained model's gradient synchronisation (None: a frozen model)."""
+    clock = model_config(chunks).finalize_model_grads_func
+    return clock if isinstance(clock, SyncClock) else None
 
 
 def unwrap(chunk: Any) -> Any:

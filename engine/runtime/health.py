@@ -5,7 +5,9 @@ ranks (gloo on CPU, NCCL on GPU), the median of ``repeats`` after one warm-up (a
 reported, never raised here. Rank 0 gathers the figures; a node's figure is its slowest rank's. ``judge`` names
 each node whose matmul time exceeds ``slow_factor`` x the median of the other nodes', or whose check failed,
 by hostname (the all-reduce time is reported per node; see ``JUDGED``). Each timed all-reduce starts after a barrier, so a fast rank's time does not include
-waiting for a slow one. The caller (engine.run) logs it, writes a ``health`` line and a ``slow_node`` alarm.
+waiting for a slow one. The caller (engine.run) logs it, writes a ``health`` line and a ``slow_node`` alarm;
+with ``policy=exclude`` every rank then raises ``NodesExcluded``, and the job's launcher requeues the job with
+those nodes excluded (pipeline.submit.launch).
 """
 
 from __future__ import annotations
@@ -23,6 +25,25 @@ JUDGED = ("matmul_s",)
 """Figures that name a slow node. The all-reduce is reported, not judged: a collective's waiting lands on the
 ranks that wait for the slow one (their time grows, the slow rank's does not), so it cannot name a node by
 itself; a failing all-reduce still names its node (the check's error)."""
+
+
+class NodesExcluded(RuntimeError):
+    """``cluster.health.policy=exclude`` named slow or sick nodes: the job stops before training, to be requeued
+    without them."""
+
+    def __init__(self, nodes: dict[str, str]) -> None:
+        self.nodes = dict(nodes)
+        """Hostname -> why it was named."""
+        super().__init__("health check: " + "; ".join(f"node {h}: {why}" for h, why in sorted(nodes.items())))
+
+
+def exclusion_blocked(nodes: list[str]) -> str | None:
+    """Why the job cannot leave ``nodes`` (too few left in its partition; None: it can), asked by rank 0 of
+    SLURM and the same on every rank."""
+    from engine.runtime import distributed as D
+    from pipeline.slurm.job_env import exclusion_blocked as ask
+
+    return D.broadcast_object(ask(nodes) if D.rank() == 0 else None)
 
 
 @dataclass

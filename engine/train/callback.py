@@ -10,7 +10,8 @@ ones act on rank 0 only):
 - ``on_save(view)`` after a checkpoint save (``view.metrics``: the ``checkpoint`` line);
 - ``on_stop(view)`` when a stop request (signal) ends the loop early, after its checkpoint;
 - ``on_train_end(view)`` when ``fit`` returns (``view.metrics``: the summary); ``close()`` always, last;
-- ``on_alarm(view)`` when an alarm fires (``view.metrics``: the ``alarm`` line; may come from the stall thread).
+- ``on_alarm(view)`` when an alarm fires (``view.metrics``: the ``alarm`` line; may come from the stall thread);
+- ``on_straggler(view)`` after a straggler check (``view.metrics``: the ``straggler`` line, scores per node).
 
 Callbacks get a read-only view (``StepView``: step, metrics mapping, stage info), never the trainer.
 metrics.jsonl stays the source of truth; sinks mirror it. ``Callbacks`` runs a list of them and disables
@@ -84,11 +85,21 @@ class Callback:
 
     def on_alarm(self, view: StepView) -> None: ...
 
+    def on_straggler(self, view: StepView) -> None: ...
+
     def close(self) -> None: ...
 
 
 Hook = Literal[
-    "on_train_start", "on_step_end", "on_eval", "on_save", "on_stop", "on_train_end", "on_alarm", "close"
+    "on_train_start",
+    "on_step_end",
+    "on_eval",
+    "on_save",
+    "on_stop",
+    "on_train_end",
+    "on_alarm",
+    "on_straggler",
+    "close",
 ]
 """The names of ``Callback``'s methods: ``Callbacks.emit`` calls one by name on every callback."""
 HOOKS: tuple[Hook, ...] = get_args(Hook)

@@ -26,7 +26,9 @@ from engine.context import MetricsWriter
 from engine.models.moe import RoutingStats
 from engine.runtime import distributed as D
 from engine.runtime.fault_injection import FaultInjector
+from engine.runtime.health import NodesExcluded
 from engine.runtime.signals import Preempted, StopFlag, Watchdog
+from engine.runtime.stragglers import StragglerMonitor, Verdict
 from engine.train.bad_steps import BadStepError, BadStepGuard, reason_code, reason_from_code
 from engine.train.callback import Callbacks
 from engine.train.meter import StepMeter
@@ -58,6 +60,8 @@ class LoopServices:
     """Time split of each step, TFLOP/s, MFU and memory in the train lines (engine.train.meter)."""
     routing: RoutingStats | None = None
     """A MoE model's routing statistics and load-balancing losses, added to each step's metrics (engine.models.moe)."""
+    stragglers: StragglerMonitor | None = None
+    """Straggler checks every cluster.health.straggler_interval steps (engine.runtime.stragglers)."""
     tasks: Callable[[list[Any]], dict[str, Any]] | None = None
     """lm-eval tasks run with each validation (engine.evaluation.in_loop): ``tasks(chunks) -> {task: {metric:
     value, metric_stderr: stderr}}``, the fields of its metrics line."""
@@ -102,6 +106,9 @@ class Trainer:
         self.meter = services.meter or StepMeter()
         self.routing = services.routing
         self.tasks = services.tasks
+        self.stragglers = services.stragglers
+        self._excluding: dict[str, str] = {}
+        """Straggling nodes to leave (policy exclude): the loop saves at this step and raises NodesExcluded."""
         self.iteration = 0
         self.resume_info: dict[str, Any] | None = None
         self._start, self._t0, self._window = (
@@ -408,6 +415,8 @@ class Trainer:
             if self.faults:
                 self._poison = self.faults.check("step", self.iteration + 1) == "nan"
             t_step = time.time()
+            if self.stragglers is not None:
+                self.stragglers.starting()
             last = self.train_step(self.iteration)
             if self._handle_bad_step():
                 continue
@@ -420,11 +429,15 @@ class Trainer:
             self.callbacks.emit("on_step_end", s, logged or last, logged=logged is not None)
             if st.eval_interval and s % st.eval_interval == 0 and s < st.iters:
                 self._write_valid(s)
-            stop = self._stop()
+            if self.stragglers is not None:
+                self._check_stragglers(s)
+            stop = self._stop() or bool(self._excluding)
             self._beat()
             self._checkpoint(s, stop, step_s)
         if self.checkpointer is not None:
             self.checkpointer.finalize(blocking=True)
+        if self._excluding and self.iteration < st.iters:
+            raise NodesExcluded(self._excluding)  # saved at this step: the job resumes without them
         if stop and self.iteration < st.iters:
             signum = self.stop_flag.signum if self.stop_flag else None
             self.metrics.write(
@@ -449,6 +462,28 @@ class Trainer:
         }
         self.callbacks.emit("on_train_end", self.iteration, summary)
         return summary
+
+    def _check_stragglers(self, s: int) -> None:
+        """Feed the straggler monitor; on a check: its scores, an alarm per straggling node, maybe leave them."""
+        assert self.stragglers is not None
+        verdict: Verdict | None = self.stragglers.observe(s)
+        if verdict is None:
+            return
+        self.metrics.write(verdict.as_record())
+        self.callbacks.emit("on_straggler", s, verdict.as_record())
+        for host, why in verdict.stragglers.items():
+            rec = {
+                "kind": "alarm",
+                "alarm": "straggler",
+                "step": s,
+                "host": host,
+                "message": f"node {host}: {why}"
+                + (f"; not excluded: {verdict.blocked}" if verdict.blocked else ""),
+            }
+            self.metrics.write(rec)
+            self.callbacks.emit("on_alarm", s, rec)
+        if verdict.leave:
+            self._excluding = dict(verdict.stragglers)
 
     def _checkpoint(self, s: int, stop: bool, step_s: float) -> None:
         """After step ``s``: commit finished async saves, save when due, record the save and any interval choice."""

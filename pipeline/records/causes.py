@@ -160,6 +160,13 @@ def slurm_node_failure(ev: Evidence) -> str | None:
     return _line(ev.log, r"DUE TO NODE FAILURE|node failure|Node .* not responding")
 
 
+@rule("node_failure", 10)
+def unhealthy_node(ev: Evidence) -> str | None:
+    if "NodesExcluded" in ev.names:  # engine.runtime.health: cluster.health.policy=exclude
+        return f"{ev.message} (excluded, job requeued)"
+    return None
+
+
 @rule("preemption", 10)
 def preempted(ev: Evidence) -> str | None:
     if ev.slurm_state == "PREEMPTED":

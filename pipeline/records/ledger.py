@@ -168,6 +168,22 @@ class Ledger:
     def records(self, stages: list[str]) -> dict[str, StageRecord | None]:
         return {s: self.read(s) for s in stages}
 
+    @property
+    def excluded_path(self) -> Path:
+        return self.run_dir / "excluded_nodes.json"
+
+    def excluded_nodes(self) -> dict[str, str]:
+        """Nodes every job of the run keeps off (hostname -> why), from ``cluster.health.policy=exclude``."""
+        p = self.excluded_path
+        return dict(json.loads(p.read_text())) if p.exists() else {}
+
+    def exclude_nodes(self, nodes: dict[str, str]) -> dict[str, str]:
+        """Add ``nodes`` (hostname -> why) to the run's excluded nodes; returns them all."""
+        with self.lock():
+            every = {**self.excluded_nodes(), **nodes}
+            atomic_write_text(self.excluded_path, json.dumps(every, indent=1, sort_keys=True))
+        return every
+
 
 def read_metrics(run_dir: Path, stage: str) -> list[dict[str, Any]]:
     """Every record of a stage's ``metrics.jsonl`` (a torn or foreign line is skipped)."""

@@ -160,6 +160,8 @@ def format_status(run_dir: Path, views: list[StageView]) -> str:
         lines += [f"{'':<10} {a}" for a in v.alarms[-5:]]
         if len(v.alarms) > 5:
             lines.append(f"{'':<10} ({len(v.alarms) - 5} earlier alarm(s) in {v.stage}'s metrics.jsonl)")
+    for host, why in sorted(Ledger(run_dir).excluded_nodes().items()):
+        lines.append(f"excluded node: {host} ({why}; cluster.health.policy=exclude)")
     failed = [v for v in views if v.state == FAILED]
     if failed:
         lines.append(

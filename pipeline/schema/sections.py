@@ -190,7 +190,7 @@ class HealthConfig:
     """The node health check at the start of each training job (``cluster.health``; engine/runtime/health.py)."""
 
     policy: str = "off"
-    """off, or warn: every rank times a matmul and an all-reduce across the job's ranks before training (figures per node in metrics.jsonl); a node whose matmul is slower than the other nodes' median by more than slow_factor, or whose check fails, is named by hostname in the log, an alarm (slow_node) and status; training goes on."""
+    """off, warn or exclude. warn: every rank times a matmul and an all-reduce across the job's ranks before training (figures per node in metrics.jsonl); a node whose matmul is slower than the other nodes' median by more than slow_factor, or whose check fails, is named by hostname in the log, an alarm (slow_node) and status; training goes on. exclude (cluster.executor=slurm): the same, then a job with such a node requeues itself with the node excluded (SLURM ExcNodeList), recorded in the ledger and shown by status; the run's later stages and attempts exclude it too. Exclusions count against cluster.max_requeues; with none left, training goes on as with warn."""
     slow_factor: float = num(1.5, integer=False, gt=1)
     """A node is slow when its matmul time exceeds this x the median of the other nodes' (the all-reduce time is reported, not judged: its waiting lands on the ranks that wait)."""
     min_gap_ms: float = num(1.0, integer=False, ge=0)
@@ -201,10 +201,20 @@ class HealthConfig:
     """Size of the tensor all-reduced across every rank of the job (gloo on CPU, NCCL on GPU), MiB."""
     repeats: int = num(3, ge=1, le=100)
     """Timed repetitions of each; a rank's figure is their median (after one untimed warm-up), a node's its slowest rank's."""
+    straggler_interval: int = num(0, ge=0)
+    """Steps between straggler checks during training (0: none; needs policy warn or exclude): each rank's own step time (from the step's start to its entry into the gradient synchronisation: forward and backward compute) is compared with the median of its pipeline stage's ranks (engine/runtime/stragglers.py)."""
+    straggler_slower: float = num(0.2, integer=False, gt=0)
+    """A node straggles in a check when its slowest rank's own time is at least 1 + this times the median."""
+    straggler_patience: int = num(3, ge=1)
+    """Checks in a row a node must straggle before it is named: an alarm (straggler) with warn; with exclude a checkpoint at that step, then the job requeued without the node."""
 
     def __post_init__(self) -> None:
         check_domains(self)
-        choice("policy", self.policy, ("off", "warn"))
+        choice("policy", self.policy, ("off", "warn", "exclude"))
+        if self.straggler_interval and self.policy == "off":
+            fail(
+                "straggler_interval", self.straggler_interval, "needs policy warn or exclude (policy is off)"
+            )
 
 
 @dataclass
@@ -215,6 +225,8 @@ class ClusterConfig:
     """local (separate processes), debug (in-process) or slurm."""
     prefork: bool = True
     """local executor: fork each rank from one process that imported torch and megatron.core once per command (pipeline.submit.prefork), instead of a fresh interpreter per job; false: a fresh interpreter per rank."""
+    prefork_socket: str | None = None
+    """local executor with prefork: the socket of a prefork server that is already running, used instead of starting one (a search's controller shares its own with every trial: pipeline.search.trials); None: the command starts its own."""
     partition: str | None = None
     """SLURM partition."""
     account: str | None = None
@@ -247,6 +259,8 @@ class ClusterConfig:
     """Seconds before the time limit at which SLURM warns the job (SIGUSR1)."""
     max_requeues: int = num(3, ge=0)
     """Times a crashed or hung job asks SLURM to requeue itself."""
+    injob_restarts: int = num(0, ge=0)
+    """SLURM: times a stage's job starts its ranks again inside its own allocation when a rank dies or hangs (its watchdog: <stage>.hang_timeout_s; every rank, from the newest checkpoint, no trip through the queue; pipeline/submit/injob.py); past them, and on a node failure, preemption or time limit, the job requeues as before (0: always requeue)."""
     mpi: str = "pmi2"
     """srun's MPI plugin (--mpi=) for data_prep.launcher=mpi: pmi2, pmix, ... (srun --mpi=list shows them)."""
     fs_bandwidth_gb_s: float = num(2.0, gt=0)
@@ -261,6 +275,19 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         check_domains(self)
         choice("executor", self.executor, ("local", "debug", "slurm"))
+        if self.prefork_socket and self.executor != "local":
+            fail(
+                "prefork_socket",
+                self.prefork_socket,
+                f"only the local executor forks ranks (executor is {self.executor})",
+            )
+        if self.health.policy == "exclude" and self.executor != "slurm":
+            fail(
+                "health.policy",
+                "exclude",
+                f"needs cluster.executor=slurm (only SLURM can keep a job off a node; executor is "
+                f"{self.executor}): use warn",
+            )
         for k in self.env:
             if not k.replace("_", "").isalnum() or k[0].isdigit():
                 fail(f"env.{k}", self.env[k], "environment variable names are letters, digits and _")

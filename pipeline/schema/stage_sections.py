@@ -200,9 +200,10 @@ class TrainStage:
         choice("algorithm", self.algorithm, RLHF_ALGORITHMS)
 
 
-OWN_LM_TASKS = ("pipeline_task",)
-"""lm-eval task names the eval stage defines itself: ``pipeline_task`` is the run's generated held-out task
-(eval_task.jsonl as the run renders it, greedy answers checked by its program) as an lm-eval generate-until task."""
+OWN_LM_TASKS = ("pipeline_task", "pipeline_pref")
+"""lm-eval task names the eval stage defines itself (stages.eval_own_tasks): ``pipeline_task`` is the run's generated
+held-out task (eval_task.jsonl as the run renders it, greedy answers checked by its program) as an lm-eval
+generate-until task; ``pipeline_pref`` its held-out preference pairs as a two-choice multiple-choice task."""
 RLHF_ALGORITHMS = rl.NAMES
 REWARDS = ("verifier", "model", "both")
 
@@ -299,8 +300,8 @@ class EvalStage:
     """Sequences per forward pass (lm-eval requests too)."""
     tasks: list[str] = field(default_factory=list)
     """lm-evaluation-harness tasks (or groups) by lm-eval's own names (e.g. arc_easy, hellaswag, gsm8k), those
-    defined under task_paths, or pipeline_task (the run's own generated task as an lm-eval task), run on every
-    evaluated model with the engine backend; empty: none."""
+    defined under task_paths, pipeline_task or pipeline_pref (the run's own generated task and preference pairs as
+    lm-eval tasks), run on every evaluated model with the engine backend; empty: none."""
     task_paths: list[str] = field(default_factory=list)
     """Folders of users' own lm-eval task YAMLs (lm-eval's include_path); each must exist."""
     num_fewshot: int | None = num(None, integer=True, ge=0)

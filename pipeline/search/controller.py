@@ -12,7 +12,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,7 @@ from pipeline.schema.identity import run_dir_for
 from pipeline.search import registry, trials
 from pipeline.search import study as studies
 from pipeline.search.space import Space
-from pipeline.search.trials import COMPLETE, FAILED, RUNNING, TrialFile
+from pipeline.search.trials import COMPLETE, CUT_OFF, FAILED, RUNNING, TrialFile
 from pipeline.slurm.queries import alive_jobs
 
 
@@ -42,6 +44,16 @@ class Controller:
     inflight: dict[int, TrialFile] = field(default_factory=dict)
     handles: dict[int, Any] = field(default_factory=dict)
     reported: dict[int, set[int]] = field(default_factory=dict)
+    prefork_socket: str | None = None
+    """The controller's prefork server, shared by its local trials (each skips the imports it would pay)."""
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    """The environment trial commands start from: the controller's as its prefork server started in it."""
+    thread_caps: list[str] = field(default_factory=list)
+    """Overrides added to every trial's command line: local trials' threads capped (``thread_caps``)."""
+    told: bool = False
+    """The study heard of a trial's end since the summary was last written."""
+    stopping: threading.Event = field(default_factory=threading.Event)
+    """Set on SIGTERM (cancel, preemption, a requeue): start nothing more; the next controller resumes."""
 
     def say(self, text: str) -> None:
         print(f"[search {time.strftime('%H:%M:%S')}] {text}", file=self.out, flush=True)
@@ -80,7 +92,10 @@ class Controller:
         alive = alive_jobs(ids) if ids else set()  # one query for every trial together
         for number, tf in list(self.inflight.items()):
             st, why = trials.state(tf, alive)
-            if st == RUNNING:
+            if st == CUT_OFF and not self.stopping.is_set():
+                self.say(f"trial {number}: its command ended mid-submission: starting it again")
+                trials.submit(self.sweep, tf, self.prefork_socket, self.env)
+            elif st == RUNNING:
                 self._maybe_prune(tf)
             elif st == COMPLETE:
                 self._maybe_prune(tf, prune=False)  # its last rungs too: later trials are compared with them
@@ -138,8 +153,15 @@ class Controller:
         tf.ended = ended
         trials.save(self.sweep, tf)
         self.inflight.pop(tf.number, None)
-        studies.write_summary(self.sweep, self.study, self.cfg, self.space)
-        studies.write_best(self.sweep, self.study, self.space)
+        self.told = True
+
+    def write_summary(self) -> None:
+        """study.json and best.yaml, once per poll in which trials ended, after the free slots are refilled
+        (fANOVA's importances take a while: no slot waits for them)."""
+        if self.told:
+            studies.write_summary(self.sweep, self.study, self.cfg, self.space)
+            studies.write_best(self.sweep, self.study, self.space)
+            self.told = False
 
     # ------------------------------------------------------------------ refill
 
@@ -147,7 +169,8 @@ class Controller:
         """Ask for and submit trials until max_concurrent are in flight or the study has n_trials."""
         sc = self.cfg.search
         while (
-            len(self.inflight) < sc.max_concurrent
+            not self.stopping.is_set()
+            and len(self.inflight) < sc.max_concurrent
             and len(self.study.get_trials(deepcopy=False)) < sc.n_trials
         ):
             handle = self.study.ask(fixed_distributions=self.space.dims)
@@ -159,7 +182,7 @@ class Controller:
         """Validate a sampled trial (the project's whole config check and pre-flight), then submit it."""
         from optuna.trial import TrialState
 
-        overrides = self.space.trial_overrides(params)
+        overrides = [*self.space.trial_overrides(params), *self.thread_caps]
         try:
             cfg = load(overrides)
         except ConfigError as e:
@@ -172,7 +195,7 @@ class Controller:
         handle.set_user_attr("run_dir", str(run_dir))
         handle.set_user_attr("overrides", overrides)
         trials.save(self.sweep, tf)
-        trials.submit(self.sweep, tf)
+        trials.submit(self.sweep, tf, self.prefork_socket, self.env)
         handle.set_user_attr("pid", tf.pid)
         self.inflight[handle.number] = tf
         self.say(f"trial {handle.number}: submitted {' '.join(f'{k}={v}' for k, v in params.items())}")
@@ -198,19 +221,61 @@ def run(sweep: Path, out: TextIO) -> int:
     )
     space = studies.space_of(sweep)
     cfg = load([*space.base, *space.search])
-    c = Controller(sweep, cfg, space, studies.open_study(sweep, cfg, space), out)
-    c.adopt()
-    while True:
-        c.poll()
-        c.refill()
-        if c.finished():
-            break
-        time.sleep(cfg.search.poll_s)
+    env = dict(os.environ)  # before any import the study makes later can change it (trials.submit)
+    server = _shared_prefork(sweep, cfg)
+    socket = str(server.socket_path) if server else None
+    caps = thread_caps(cfg, space, len(os.sched_getaffinity(0)))
+    study = studies.open_study(sweep, cfg, space)
+    c = Controller(sweep, cfg, space, study, out, prefork_socket=socket, env=env, thread_caps=caps)
+    if caps:
+        c.say(f"local trials: {' '.join(caps)} ({cfg.search.max_concurrent} trials at once on this machine)")
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: c.stopping.set())
+    try:
+        c.adopt()
+        while not c.stopping.is_set():
+            c.poll()
+            c.refill()
+            c.write_summary()
+            if c.finished():
+                break
+            c.stopping.wait(cfg.search.poll_s)
+    finally:
+        if server is not None:
+            server.release()  # trials still running keep their ranks; it ends after them
+    if c.stopping.is_set():
+        c.write_summary()
+        c.say("stopping on SIGTERM: nothing more started; the next start of the controller resumes the study")
+        return 0
     studies.write_summary(sweep, c.study, cfg, space)
     best = studies.write_best(sweep, c.study, space)
     c.say(f"study done: {len(c.study.get_trials(deepcopy=False))} trials; best: {best or 'none completed'}")
     _report(sweep, c)
     return 0
+
+
+def thread_caps(cfg: PipelineConfig, space: Space, cores: int) -> list[str]:
+    """Local trials share this machine: each selected stage's ``threads`` at most cores // max_concurrent
+    (torch's idle threads spin: oversubscribed, they burn CPU without speed), except where the command line
+    sets it. SLURM trials: none (each job has the CPUs it asked for)."""
+    if cfg.cluster.executor != "local":
+        return []
+    cap = max(1, cores // cfg.search.max_concurrent)
+    given = {o.lstrip("+~").split("=", 1)[0] for o in [*space.base, *space.search, *space.dims]}
+    return [
+        f"{s}.threads={cap}"
+        for s in cfg.run.stages
+        if f"{s}.threads" not in given and getattr(cfg, s).threads > cap
+    ]
+
+
+def _shared_prefork(sweep: Path, cfg: PipelineConfig) -> Any:
+    """Local trials with prefork: one server for all of them (pipeline.submit.prefork), else None."""
+    if cfg.cluster.executor != "local" or not cfg.cluster.prefork:
+        return None
+    from pipeline.submit import prefork
+
+    return prefork.start(studies.search_dir(sweep) / "prefork.log")
 
 
 def _report(sweep: Path, c: Controller) -> None:

@@ -11,14 +11,19 @@ from typing import Any
 
 from pipeline.search import study as studies
 from pipeline.search import trials
-from pipeline.search.launch import controller_alive
+from pipeline.search.launch import controller_alive, controller_job
 
 
 def study_lines(sweep: Path) -> list[str]:
     """The study: the controller, trials by state, each trial's value or why it ended, the best so far."""
     from optuna.trial import TrialState
 
-    lines = [f"search {sweep}", f"  controller: {'running' if controller_alive(sweep) else 'not running'}"]
+    job = controller_job(sweep)
+    where = f" (SLURM job {job})" if job else ""
+    lines = [
+        f"search {sweep}",
+        f"  controller: {'running' if controller_alive(sweep) else 'not running'}{where}",
+    ]
     if not (studies.search_dir(sweep) / "journal.log").is_file():
         return [*lines, "  no trial asked yet"]
     study = studies.load_study(sweep)
@@ -81,16 +86,28 @@ def cancel(sweep: Path) -> list[int]:
 
 
 def _stop_controller(sweep: Path, wait_s: float = 30.0) -> None:
-    p = studies.search_dir(sweep) / "controller.json"
     if not controller_alive(sweep):
         return
-    pid = int(json.loads(p.read_text())["pid"])
+    job = controller_job(sweep)
+    if job is not None:  # scancel: SLURM does not requeue a cancelled job
+        from pipeline.slurm.queries import cancel_jobs
+
+        cancel_jobs([job])
+        _wait_gone(sweep, wait_s)
+        return
+    pid = int(json.loads((studies.search_dir(sweep) / "controller.json").read_text())["pid"])
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + wait_s
-    while controller_alive(sweep) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if controller_alive(sweep):
+    if not _wait_gone(sweep, wait_s):
         os.killpg(pid, signal.SIGKILL)
+
+
+def _wait_gone(sweep: Path, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while controller_alive(sweep):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

@@ -23,7 +23,12 @@ from typing import Any
 from pipeline.records.files import atomic_write_text
 from pipeline.records.ledger import ACTIVE, COMPLETED, Ledger
 
-RUNNING, COMPLETE, FAILED = "running", "complete", "failed"
+RUNNING, COMPLETE, FAILED, CUT_OFF = "running", "complete", "failed", "cut off"
+MAX_COMMANDS = 3
+"""A trial's command is started at most this often (a command that keeps dying is a failed trial)."""
+SCHEDULER_ENV = ("SLURM_", "SLURMD_", "SRUN_", "SBATCH_", "SUBMITIT_")
+"""Variables of a SLURM job (the controller's) kept from the trial commands it starts (submitit's clean_env),
+except ``SLURM_CONF``: where the cluster's configuration is."""
 PROJECT = Path(__file__).resolve().parents[2]
 """The checkout the trial commands import ``pipeline`` from (the controller's own)."""
 
@@ -43,6 +48,8 @@ class TrialFile:
     ended: str | None = None
     """None while in flight; complete, failed, pruned or cancelled once the study knows."""
     pruned: dict[str, Any] = field(default_factory=dict)
+    commands: int = 0
+    """How often its command was started (again when a restarted controller finds it cut off mid-submission)."""
 
     @property
     def path_dir(self) -> Path:
@@ -92,14 +99,27 @@ def alive(pid: int | None, start: float | None) -> bool:
     return s is not None and start is not None and abs(s - start) < 1e-3
 
 
-def submit(sweep: Path, t: TrialFile) -> None:
-    """Start the trial's command in its own session, its output in ``.search/logs/<n>.log``."""
+def submit(
+    sweep: Path, t: TrialFile, prefork_socket: str | None = None, env: dict[str, str] | None = None
+) -> None:
+    """Start the trial's command in its own session, its output in ``.search/logs/<n>.log``; with
+    ``prefork_socket`` its local ranks are forked by that (the controller's) prefork server. ``env``: the
+    environment it starts from (default: this process's), the one the server was started in: libraries the
+    controller imports later set import-time variables (fANOVA's scikit-learn: ``KMP_*``), which would make
+    the server refuse the trial's ranks."""
     logs = sweep / ".search" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROJECT), os.environ.get("PYTHONPATH", "")])}
+    base = dict(os.environ if env is None else env)
+    paths = base.get("PYTHONPATH", "").split(os.pathsep)
+    # the controller's own PYTHONPATH when it leads with the project: a variable the prefork server compares
+    pythonpath = os.pathsep.join(paths if paths[0] == str(PROJECT) else [str(PROJECT), *paths])
+    env = {**base, "PYTHONPATH": pythonpath}
+    if t.executor == "slurm":  # a job submitted from a job (the controller's) must not inherit its settings
+        env = {k: v for k, v in env.items() if not k.startswith(SCHEDULER_ENV) or k == "SLURM_CONF"}
     with open(logs / f"{t.number}.log", "ab") as log:
+        shared = [f"cluster.prefork_socket={prefork_socket}"] if prefork_socket else []
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", *t.overrides],
+            [sys.executable, "-m", "pipeline", *t.overrides, *shared],
             cwd=PROJECT,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -107,7 +127,8 @@ def submit(sweep: Path, t: TrialFile) -> None:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    t.pid, t.start, t.submitted_at = proc.pid, process_start(proc.pid), time.time()
+    t.pid, t.start, t.commands = proc.pid, process_start(proc.pid), t.commands + 1
+    t.submitted_at = t.submitted_at or time.time()
     save(sweep, t)
 
 
@@ -118,7 +139,9 @@ def job_ids(t: TrialFile) -> list[str]:
 
 
 def state(t: TrialFile, alive_jobs: set[str]) -> tuple[str, str]:
-    """(running | complete | failed, why) of an in-flight trial."""
+    """(running | complete | failed | cut off, why) of an in-flight trial; cut off: a SLURM trial whose command
+    ended before it had submitted every stage, while the submitted ones still run (its command is idempotent:
+    started again, it submits the rest after those)."""
     if alive(t.pid, t.start):
         return RUNNING, ""
     records = Ledger(t.path_dir).records(t.stages)
@@ -131,8 +154,12 @@ def state(t: TrialFile, alive_jobs: set[str]) -> tuple[str, str]:
     ]
     if bad:
         return FAILED, "; ".join(bad)
-    if t.executor == "slurm" and any(j in alive_jobs for j in job_ids(t)):
-        return RUNNING, ""
+    if t.executor == "slurm":
+        # its command died before submitting every stage (e.g. with a requeued controller's job): start it again
+        if any(r is None for r in records.values()) and t.commands < MAX_COMMANDS:
+            return CUT_OFF, ""
+        if any(j in alive_jobs for j in job_ids(t)):
+            return RUNNING, ""
     return FAILED, f"the trial's command ended before its stages completed (log: .search/logs/{t.number}.log)"
 
 

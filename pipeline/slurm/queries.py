@@ -64,6 +64,21 @@ def cancel_jobs(job_ids: list[str]) -> None:
         subprocess.run(["scancel", *job_ids], capture_output=True, timeout=60)
 
 
+def exclude_nodes(job_ids: list[str], nodes: list[str]) -> list[str]:
+    """Keep pending jobs off ``nodes`` (their ExcNodeList; a running job's cannot change). Returns those set."""
+    done = []
+    for j in job_ids:
+        r = subprocess.run(
+            ["scontrol", "update", f"JobId={j}", f"ExcNodeList={','.join(nodes)}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if r.returncode == 0:
+            done.append(j)
+    return done
+
+
 def alive_jobs(job_ids: list[str]) -> set[str]:
     """Which of ``job_ids`` will still run: one ``squeue`` for all of them, and one ``sacct`` for those it no
     longer lists (a search polls every trial's jobs together, never one query per job)."""

@@ -13,6 +13,7 @@ import shlex
 import shutil
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, MutableMapping
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from pipeline.records.alarm_log import forward_alarms
 from pipeline.records.causes import HANG_EXIT_CODE, Evidence, classify, from_exception
 from pipeline.records.ledger import (
+    ACTIVE,
     CANCELLED,
     COMPLETED,
     FAILED,
@@ -43,9 +45,11 @@ from pipeline.slurm.job_env import (  # noqa: F401  (free_port re-exported)
     RELAY_ENV,
     free_port,
     in_slurm_job,
+    requeue_excluding,
     requeue_self,
     restart_count,
 )
+from pipeline.slurm.queries import exclude_nodes
 
 if TYPE_CHECKING:
     from engine.context import DistEnv, StageContext
@@ -81,10 +85,20 @@ def snapshot_code(run_dir: Path) -> Path:
 # ---------------------------------------------------------------------------- executors
 
 
+def excluded(run_dir: Path) -> list[str]:
+    """The nodes the run's jobs keep off (cluster.health.policy=exclude named them)."""
+    return sorted(Ledger(run_dir).excluded_nodes())
+
+
 def slurm_parameters(
-    cfg: PipelineConfig, stage: str, plan: ParallelPlan, code_dir: Path | None
+    cfg: PipelineConfig,
+    stage: str,
+    plan: ParallelPlan,
+    code_dir: Path | None,
+    exclude: list[str] | None = None,
 ) -> dict[str, Any]:
-    """sbatch parameters for one stage, all derived from its plan and the cluster profile."""
+    """sbatch parameters for one stage, all derived from its plan, the cluster profile and the run's
+    ``exclude``d nodes."""
     c = cfg.cluster
     st = cfg.stage(stage)
     setup = list(c.setup)
@@ -110,6 +124,8 @@ def slurm_parameters(
             params[key] = getattr(c, key)
     if c.exclusive:
         params["exclusive"] = True
+    if exclude:
+        params["exclude"] = ",".join(exclude)
     if c.mem_gb:
         params["mem"] = f"{c.mem_gb}GB"
     srun_args = []
@@ -156,9 +172,20 @@ def make_executor(
         if plan.gpus_per_node:  # else submitit's controller hides every GPU (CUDA_VISIBLE_DEVICES="")
             ex.update_parameters(gpus_per_node=plan.gpus_per_node)
         return ex
-    slurm = submitit.SlurmExecutor(folder=folder, max_num_timeout=cfg.cluster.max_requeues)
-    slurm.update_parameters(**slurm_parameters(cfg, stage, plan, code_dir))
+    slurm = submitit.SlurmExecutor(
+        folder=folder,
+        max_num_timeout=cfg.cluster.max_requeues,
+        python=_task_python(cfg.cluster.injob_restarts),
+    )
+    slurm.update_parameters(**slurm_parameters(cfg, stage, plan, code_dir, excluded(run_dir)))
     return slurm
+
+
+def _task_python(injob_restarts: int) -> str:
+    """The command each SLURM task runs submitit with: this interpreter, under the in-job restart supervisor
+    when ``cluster.injob_restarts`` allows restarts (pipeline/submit/injob.py)."""
+    python = shlex.quote(sys.executable)
+    return f"{python} -m pipeline.submit.injob {injob_restarts} {python}" if injob_restarts else python
 
 
 def sbatch_script(cfg: PipelineConfig, stage: str, run_dir: Path, code_dir: Path | None = None) -> str:
@@ -173,7 +200,7 @@ def sbatch_script(cfg: PipelineConfig, stage: str, run_dir: Path, code_dir: Path
 
     plan = stage_plan(cfg, stage)
     ex = Renderer(folder=job_folder(run_dir, stage) / "%j", python="python3")
-    ex.update_parameters(**slurm_parameters(cfg, stage, plan, code_dir))
+    ex.update_parameters(**slurm_parameters(cfg, stage, plan, code_dir, excluded(run_dir)))
     return str(ex._make_submission_file_text(ex._submitit_command_str, "dry-run"))
 
 
@@ -285,6 +312,7 @@ def run_stage(
     The job's facts (its place, attempt, restarts, fault specs) are read here once and handed to the stage
     in its StageContext; nothing below reads them from the environment."""
     from engine.runtime.fault_injection import ENV as FAULT_ENV
+    from pipeline.submit.injob import INJOB_ENV, LEFT_ENV
 
     cfg = from_dict(cfg_dict)
     dist, job_id = _job_environment(cfg.cluster.executor, master_port)
@@ -292,9 +320,10 @@ def run_stage(
     rank, world = dist.rank, dist.world_size
     ledger = Ledger(Path(run_dir))
     local_group = cfg.cluster.executor == "local" and world > 1
+    injob = (int(os.environ.get(INJOB_ENV, "0")), int(os.environ.get(LEFT_ENV, "0")))  # (attempt, left)
     attempt = 0
     if rank == 0 and part is None:
-        attempt = _mark_started(ledger, stage, job_id, dist)
+        attempt = _mark_started(ledger, stage, job_id, dist, injob[0])
     elif rank == 0:
         ledger.event("part_started", stage, part=part, job_id=job_id, restarts=restart_count())
     try:
@@ -303,8 +332,10 @@ def run_stage(
             cfg,
             Path(run_dir),
             attempt,
-            on_hang=(partial(_record_hang, ledger, stage),) + ((end_local_job,) if local_group else ()),
+            on_hang=(partial(_record_hang, ledger, stage, injob[1]),)
+            + ((end_local_job,) if local_group else ()),
             dist=dist,
+            injob_left=injob[1],
             faults=os.environ.get(FAULT_ENV, ""),
             part=part,
         )
@@ -312,9 +343,10 @@ def run_stage(
     except BaseException as e:
         if rank == 0:
             forward_alarms(ledger, stage)
-            (_record_failure if part is None else partial(_record_part_failure, part=part))(
-                ledger, stage, cfg, e
-            )
+            if part is None:
+                _record_failure(ledger, stage, cfg, e, injob_left=injob[1])
+            else:
+                _record_part_failure(ledger, stage, cfg, e, part)
         if local_group and not _is_preempted(e):
             end_local_job()
         raise
@@ -382,12 +414,15 @@ def end_local_job() -> None:
             continue
 
 
-def _record_hang(ledger: Ledger, stage: str) -> None:
-    """A hung rank's watchdog, just before it exits: the attempt's cause is a hang (any rank may write)."""
+def _record_hang(ledger: Ledger, stage: str, injob_left: int) -> None:
+    """A hung rank's watchdog, just before it exits: the attempt's cause is a hang (any rank may write); with
+    in-job restarts left its supervisor starts it again (an ``injob_restart`` event)."""
     ledger.add_failure(stage, classify(Evidence(exit_code=HANG_EXIT_CODE)), "watchdog")
+    if injob_left > 0:
+        ledger.event("injob_restart", stage, error="hang: the watchdog saw no progress", left=injob_left)
 
 
-def _mark_started(ledger: Ledger, stage: str, job_id: str, dist: DistEnv) -> int:
+def _mark_started(ledger: Ledger, stage: str, job_id: str, dist: DistEnv, injob: int = 0) -> int:
     """Rank 0: the ledger says running; the event records the rendezvous and the code this job imports.
     Returns the stage's attempt number (1 = first start)."""
     rec = ledger.read(stage)
@@ -411,14 +446,19 @@ def _mark_started(ledger: Ledger, stage: str, job_id: str, dist: DistEnv) -> int
         job_id=job_id,
         world_size=dist.world_size,
         restarts=restarts,
+        injob=injob,
         master=rendezvous,
         code=str(REPO_ROOT),
     )
     return attempt
 
 
-def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseException) -> None:
-    """Ledger entry for a stage that did not complete: stopped on a signal, requeued, or failed."""
+def _record_failure(
+    ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseException, injob_left: int = 0
+) -> None:
+    """Ledger entry for a stage that did not complete: stopped on a signal, requeued, restarted inside the job
+    (``injob_left``: in-job restarts left; pipeline/submit/injob.py starts the ranks again), or failed."""
+    from engine.runtime.health import NodesExcluded
     from engine.runtime.signals import Preempted
 
     err = f"{type(e).__name__}: {e}"
@@ -427,10 +467,17 @@ def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseExce
         ledger.event("stopped", stage, error=err, reason="cancelled")
         return
     ledger.add_failure(stage, classify(from_exception(e)), "job")
+    if isinstance(e, NodesExcluded):
+        _requeue_without(ledger, stage, cfg, e.nodes, err)
+        return
     if isinstance(e, Preempted):
         requeued = requeue_self(f"stopped by signal {e}")
         ledger.update(stage, status=REQUEUED if requeued else STOPPED, ended_at=time.time(), error=err)
         ledger.event("requeued" if requeued else "stopped", stage, error=err)
+        return
+    if injob_left > 0:  # the task's supervisor starts every rank again, in this allocation
+        ledger.update(stage, error=err)
+        ledger.event("injob_restart", stage, error=err, left=injob_left)
         return
     if restart_count() < cfg.cluster.max_requeues and requeue_self(f"crashed: {err}"):
         ledger.update(stage, status=REQUEUED, error=err)
@@ -438,6 +485,24 @@ def _record_failure(ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseExce
         return
     ledger.update(stage, status=FAILED, ended_at=time.time(), error=err)
     ledger.event("failed", stage, error=err, traceback=traceback.format_exc(limit=20))
+
+
+def _requeue_without(
+    ledger: Ledger, stage: str, cfg: PipelineConfig, nodes: dict[str, str], err: str
+) -> None:
+    """cluster.health.policy=exclude named ``nodes``: remembered for the run, this job requeued without them,
+    and the run's other pending jobs (later stages) kept off them too."""
+    every = ledger.exclude_nodes(nodes)
+    others = [
+        j
+        for s, r in ledger.records(list(cfg.run.stages)).items()
+        if s != stage and r is not None and r.status in ACTIVE
+        for j in r.job_ids
+    ]
+    updated = exclude_nodes(others, sorted(every))
+    requeued = requeue_excluding(sorted(every), err)
+    ledger.update(stage, status=REQUEUED if requeued else FAILED, ended_at=time.time(), error=err)
+    ledger.event("node_excluded", stage, nodes=nodes, excluded=sorted(every), requeued=requeued, jobs=updated)
 
 
 def _record_part_failure(
@@ -468,6 +533,7 @@ def stage_context(
     dist: DistEnv | None = None,
     faults: str = "",
     part: str | None = None,
+    injob_left: int = 0,
 ) -> StageContext:
     """What the job hands its stage besides the config: paths, plan, and the job's facts (ledger attempt,
     SLURM restarts, whether it may requeue itself, what a hung rank calls before it exits, its place in the
@@ -484,6 +550,7 @@ def stage_context(
         attempt=attempt,
         restarts=restarts,
         may_requeue=in_slurm_job() and restarts < cfg.cluster.max_requeues,
+        injob_left=injob_left,
         on_hang=on_hang,
         dist=dist,
         faults=faults,

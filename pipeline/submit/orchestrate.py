@@ -143,11 +143,15 @@ def execute(cfg: PipelineConfig, *, out: TextIO | None = None) -> int:
     return summarize(cfg, run_dir, out)
 
 
-def _start_prefork(cfg: PipelineConfig, run_dir: Path, stages: list[str]) -> prefork.Server | None:
+def _start_prefork(
+    cfg: PipelineConfig, run_dir: Path, stages: list[str]
+) -> prefork.Server | prefork.Attached | None:
     if cfg.cluster.executor != "local" or not cfg.cluster.prefork:
         return None
     if not any(SPECS[s].torch for s in stages):  # data_prep alone: nothing to import ahead
         return None
+    if cfg.cluster.prefork_socket:  # a server someone else owns (a search's controller)
+        return prefork.Attached(Path(cfg.cluster.prefork_socket))
     return prefork.start(run_dir / "jobs" / "prefork.log")
 
 

@@ -95,10 +95,13 @@ class Server:
     @property
     def python(self) -> str:
         """What submitit's LocalExecutor runs instead of ``python`` (its ``python`` argument)."""
-        return " ".join(
-            shlex.quote(a)
-            for a in (sys.executable, "-m", "pipeline.submit.prefork", "relay", str(self.socket_path))
-        )
+        return relay_command(self.socket_path)
+
+    def release(self) -> None:
+        """Stop accepting ranks; the server ends by itself once the ranks it forked have ended."""
+        with contextlib.suppress(OSError):
+            if self.process.stdin:
+                self.process.stdin.close()
 
     def close(self, wait_s: float = 5.0) -> None:
         """Stop accepting ranks; wait (up to ``wait_s``) for the server to end, then end it."""
@@ -113,6 +116,27 @@ class Server:
         with contextlib.suppress(OSError):
             self.socket_path.unlink()
             self.socket_path.parent.rmdir()
+
+
+@dataclass
+class Attached:
+    """A server another process started and owns (``cluster.prefork_socket``): used, never closed, here."""
+
+    socket_path: Path
+
+    @property
+    def python(self) -> str:
+        return relay_command(self.socket_path)
+
+    def close(self) -> None:
+        """Its owner ends it."""
+
+
+def relay_command(socket_path: Path) -> str:
+    """The relay's command line for the server at ``socket_path`` (a relay without a server runs plainly)."""
+    return " ".join(
+        shlex.quote(a) for a in (sys.executable, "-m", "pipeline.submit.prefork", "relay", str(socket_path))
+    )
 
 
 def start(log: Path) -> Server:

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -203,6 +204,46 @@ def _submit_stage(
     )
     ledger.event("submitted", stage, job_id=job_id, dependency=deps)
     return job_id
+
+
+SERVICE_MEM = "1GB"
+"""Memory of a service job: enough for a search controller, and explicit, so a cluster whose default is a
+whole node's memory does not block a node for it."""
+SERVICE_TIMEOUTS = 100
+"""How often a service job may requeue itself at its time limit (its state is on disk: each restart resumes)."""
+
+
+def submit_service(
+    cfg: PipelineConfig, folder: Path, name: str, setup: list[str], fn: Callable[..., Any], *args: Any
+) -> str:
+    """A one-CPU job running ``fn(*args)`` for as long as it has work (a search's controller): the cluster
+    profile's partition, account, qos and ``time_min``; requeued by SLURM on node failure and preemption, and
+    by submitit at its time limit (``fn`` a submitit Checkpointable). ``setup``: shell lines before it runs.
+    Returns the job id; SubmitError with SLURM's message and the fix."""
+    import submitit
+
+    c = cfg.cluster
+    ex = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=SERVICE_TIMEOUTS)
+    params: dict[str, Any] = {
+        "job_name": name,
+        "nodes": 1,
+        "ntasks_per_node": 1,
+        "cpus_per_task": 1,
+        "mem": SERVICE_MEM,
+        "time": c.time_min,
+        "signal_delay_s": c.signal_delay_s,
+        "setup": [*c.setup, *setup],
+        "additional_parameters": {"requeue": True},
+    }
+    params |= {key: getattr(c, key) for key in ("partition", "account", "qos") if getattr(c, key)}
+    ex.update_parameters(**params)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return str(ex.submit(fn, *args).job_id)
+    except (OSError, RuntimeError) as e:
+        msg = _one_line(str(e) or captured.getvalue() or type(e).__name__)
+        raise SubmitError(f"sbatch rejected {name!r}: {msg}; fix: {fix_for(msg)}") from None
 
 
 def _undo(ledger: Ledger, jobs: dict[str, str], failed: str, error: str, spawned: list[str]) -> None:

@@ -86,11 +86,28 @@ def _port_free(port: int) -> bool:
     return True
 
 
+CTLD_SLOTS = 12
+CTLD_BASE = 11900
+"""slurmctld takes a port in CTLD_BASE + 0..11, its slot: a cluster's job ids start at slot x 1000 + 1
+(``first_job_id``), so the concurrent clusters of one machine (pytest workers) never run jobs whose ids, and
+with them the pipeline's rendezvous ports (20000 + id % 12000), coincide. Its bound port holds the slot."""
+
+
+def first_job_id(ctld_port: int) -> int:
+    """FirstJobId of the cluster whose slurmctld listens on ``ctld_port``."""
+    return (ctld_port - CTLD_BASE) % CTLD_SLOTS * 1000 + 1
+
+
 def pick_ports(n: int) -> list[int]:
-    """n distinct free TCP ports below the range the pipeline's SLURM jobs rendezvous on (20000-31999,
-    pipeline.submit.launch.RENDEZVOUS_PORTS: a daemon there once took a job's port) and below the kernel's
-    ephemeral range (so outgoing connections never take them), chosen at random so that concurrent clusters
-    rarely race for the same one."""
+    """A free slurmctld port in a free slot (see CTLD_BASE), then n - 1 distinct free TCP ports below the range
+    the pipeline's SLURM jobs rendezvous on (20000-31999, pipeline.submit.launch.RENDEZVOUS_PORTS: a daemon
+    there once took a job's port) and below the kernel's ephemeral range (so outgoing connections never take
+    them), chosen at random so that concurrent clusters rarely race for the same one."""
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    slots = [CTLD_BASE + i for i in rng.sample(range(CTLD_SLOTS), CTLD_SLOTS)]
+    ctld = next((p for p in slots if _port_free(p)), None)
+    if ctld is None:
+        raise ClusterError(f"all {CTLD_SLOTS} slurmctld slots (ports from {CTLD_BASE}) are taken")
     lo, hi = 12000, 20000
     try:
         eph_lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -98,11 +115,10 @@ def pick_ports(n: int) -> list[int]:
         lo = min(lo, hi - 2000)
     except (OSError, ValueError, IndexError):
         pass
-    chosen: list[int] = []
-    rng = random.Random(os.getpid() ^ time.time_ns())
+    chosen: list[int] = [ctld]
     for _ in range(10000):
         p = rng.randrange(lo, hi)
-        if p not in chosen and _port_free(p):
+        if p not in chosen and not CTLD_BASE <= p < CTLD_BASE + CTLD_SLOTS and _port_free(p):
             chosen.append(p)
             if len(chosen) == n:
                 return chosen

@@ -11,7 +11,7 @@ import secrets
 import socket
 from pathlib import Path
 
-from .common import CLUSTER_NAME, CPUS_PER_NODE, PARTITION, REAL_MEMORY_MB, ClusterError
+from .common import CLUSTER_NAME, CPUS_PER_NODE, PARTITION, REAL_MEMORY_MB, ClusterError, first_job_id
 from .layout import Layout
 
 
@@ -49,6 +49,7 @@ def slurm_conf(lay: Layout, p: dict[str, int]) -> str:
 ClusterName={CLUSTER_NAME}
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={p["slurmctld"]}
+FirstJobId={first_job_id(p["slurmctld"])}
 SlurmdPort={p[lay.node_names[0]]}
 SlurmUser=root
 SlurmdUser=root

@@ -59,11 +59,12 @@ def _metric_lines(run_dir: Path, stage: str, kind: str) -> list[dict]:
 def test_reduced_default_run_learns(tmp_path: Path) -> None:
     """The embedded default, shorter eval: perplexity falls, SFT helps, and GRPO lifts task accuracy by 10+
     points over the SFT model trained on noisy demonstrations (README "What you should see": about +40); the
-    same held-out task run as an lm-eval task (pipeline_task) gives each model the same accuracy."""
+    same held-out task and preference pairs run as lm-eval tasks (pipeline_task, pipeline_pref) give each model
+    the same accuracies."""
     r = run_pipeline(
         f"run.root={tmp_path}",
         "eval.num_task_examples=100",
-        "eval.tasks=[pipeline_task]",
+        "eval.tasks=[pipeline_task,pipeline_pref]",
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_dir = run_dir_of(r.stdout)
@@ -78,6 +79,9 @@ def test_reduced_default_run_learns(tmp_path: Path) -> None:
     assert "task acc" in r.stdout and "pref acc" in r.stdout  # the results table
     for m, res in models.items():  # the same task through lm-eval on the engine: the same accuracy
         assert res["lm_eval"]["pipeline_task"]["metrics"]["acc"]["value"] == res["task_accuracy"], (m, res)
+        assert res["lm_eval"]["pipeline_pref"]["metrics"]["acc"]["value"] == pytest.approx(
+            res["pref_accuracy"]
+        )
 
 
 @pytest.mark.timeout(900)

@@ -7,7 +7,8 @@ one log). What they prove on one GPU:
 - SDPA attention against megatron's unfused attention, same weights, same losses;
 - checkpoint save/resume on CUDA is bit-exact (model, optimizer, next steps);
 - a tiny Mixture of Experts (4 experts, top-2; Transformer Engine's grouped GEMM where TE is present) learns
-  in bf16 and follows its fp32 losses.
+  in bf16 and follows its fp32 losses;
+- generation with RoPE and the KV cache (keys rotated once, when cached) gives the tokens of full recomputation.
 """
 
 from __future__ import annotations
@@ -101,6 +102,14 @@ def test_fp16_steps_skip_overflows_and_learn_on_cuda(tmp_path: Path) -> None:
     assert fp16[-1]["overflow_steps"] == len(over)
     assert good[-1]["loss"] < good[0]["loss"] - 0.3, [h["loss"] for h in good]
     print(f"\nfp16: {len(over)} overflow steps, final loss scale {fp16[-1]['loss_scale']:g}")
+
+
+@pytest.mark.timeout(600)
+def test_generation_with_rope_cache_equals_recompute_on_cuda(tmp_path: Path) -> None:
+    from tests.engine.models.test_generate import MODEL, WORKER, check, spec
+
+    rope = {**MODEL, "position_embedding": "rope", "num_query_groups": 2, "init_method_std": 0.5}
+    check(launch(1, spec(model=rope), tmp_path, script=WORKER))
 
 
 @pytest.mark.timeout(600)

@@ -83,11 +83,13 @@ def submissions(run_dir: Path) -> int:
 
 
 def test_async_refill_no_barrier(root: Path) -> None:
-    """Grid order (seed 0): iters 60, 5, 4. The 5-step trial's slot goes to the third while the long one runs."""
-    launch(root, "pretrain.iters=choice(4,5,60)", "search.n_trials=3", "search.max_concurrent=2")
-    wait_for("the study to finish", finished(root, 3), root)
+    """Grid order (seed 0) starts with the 60-step trial: a short trial's slot goes to the third while the long
+    one runs. The controller's prefork server forks every trial's ranks, also those submitted after two trials
+    completed (the study's fANOVA importances then import scikit-learn, which sets ``KMP_*`` variables)."""
+    launch(root, "pretrain.iters=choice(4,5,6,60)", "search.n_trials=4", "search.max_concurrent=2")
+    wait_for("the study to finish", finished(root, 4), root)
     files = {t.number: t for t in trials.load_all(root)}
-    assert [t.ended for t in files.values()] == ["complete"] * 3
+    assert [t.ended for t in files.values()] == ["complete"] * 4
     study = load_study(root)
     long = next(t for t in study.trials if t.params["pretrain.iters"] == 60)
     third = files[2]
@@ -95,8 +97,16 @@ def test_async_refill_no_barrier(root: Path) -> None:
     long_end = files[long.number].submitted_at + long.user_attrs["wall_s"]  # type: ignore[operator]
     assert third.submitted_at < long_end - 2, "the third trial waited for the long one: a barrier"
     assert all(submissions(Path(t.run_dir)) == 1 for t in files.values())
+    # two trials at once on this machine: each stage's threads capped at its cores // 2
+    cap = f"={max(1, len(os.sched_getaffinity(0)) // 2)}"
+    want = [f"{s}.threads{cap}" for s in ("data_prep", "pretrain")] if cap == "=1" else []
+    assert all([o for o in t.overrides if ".threads=" in o] == want for t in files.values())
+    # one prefork server, the controller's, forked every trial's ranks (none started its own, none refused)
+    shared = (root / ".search" / "prefork.log").read_text()
+    assert "imports done" in shared and "refused" not in shared, shared
+    assert not any((Path(t.run_dir) / "jobs" / "prefork.log").exists() for t in files.values())
     best = (root / "best.yaml").read_text()
-    assert "overrides:" in best and "pretrain.iters=" in best
+    assert "overrides:" in best and "pretrain.iters=" in best and "prefork_socket" not in best
     out = subprocess.run(
         [sys.executable, "-m", "pipeline.status", str(root)],
         cwd=REPO,
@@ -104,7 +114,7 @@ def test_async_refill_no_barrier(root: Path) -> None:
         text=True,
         check=True,
     ).stdout
-    assert "trials: 3 (complete 3)" in out and "best: #" in out, out
+    assert "trials: 4 (complete 4)" in out and "best: #" in out, out
 
 
 def test_pruned_then_kill_9_and_resume(root: Path) -> None:

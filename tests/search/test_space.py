@@ -153,3 +153,20 @@ def test_search_imports_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_local_trials_threads_capped_by_the_machine_unless_the_command_line_sets_them() -> None:
+    from pipeline.cli.compose import load
+    from pipeline.search.controller import thread_caps
+
+    def caps(*extra: str, cores: int = 2) -> list[str]:
+        space = parse([*BASE, "pretrain.lr=choice(1e-3,2e-3)", *extra])
+        return thread_caps(load([*space.base, *space.search]), space, cores)
+
+    assert caps() == ["data_prep.threads=1", "pretrain.threads=1"]  # 2 cores, 2 trials at once (default)
+    assert caps(cores=4) == []  # the default 2 threads fit
+    assert caps("search.max_concurrent=3", cores=16) == []
+    assert caps("search.max_concurrent=3", cores=3) == ["data_prep.threads=1", "pretrain.threads=1"]
+    assert caps("pretrain.threads=2") == ["data_prep.threads=1"]  # set on the command line: kept
+    assert caps("pretrain.threads=choice(1,2)") == ["data_prep.threads=1"]  # searched: kept
+    assert caps("cluster=slurm") == []  # SLURM jobs have the CPUs they ask for

@@ -1,13 +1,12 @@
-"""A search on the real local SLURM cluster: each trial's command submits its stage graph and returns, the
-controller asks SLURM about every trial's jobs together; a slot is refilled while a long trial still runs, a
-``kill -9`` of the controller and the same command again end with exactly n_trials, each submitted once; a
-pruned trial's job is cancelled in SLURM and recorded in its ledger."""
+"""A search on the real local SLURM cluster: the controller is a SLURM job of its own; each trial's command
+submits its stage graph and returns, the controller asks SLURM about every trial's jobs together; a slot is
+refilled while a long trial still runs; the controller's job requeued by SLURM resumes by itself, killed
+(SIGKILL) it resumes with the same command again, and the study ends with exactly n_trials, each submitted
+once; a pruned trial's job is cancelled in SLURM and recorded in its ledger."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 
 from pipeline.records.ledger import Ledger
 from pipeline.search import manage, trials
-from pipeline.search.launch import controller_alive
+from pipeline.search.launch import controller_alive, controller_job
 from pipeline.search.study import load_study
 from pipeline.slurm.queries import job_state
 from tests.search.test_search_local import BASE, finished, submissions, wait_for
@@ -31,17 +30,30 @@ def launch(cluster: Any, root: Path, *args: str) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_refill_kill_9_and_resume_on_slurm(cluster: Any, tmp_path: Path) -> None:
+def test_refill_requeue_cancel_and_resume_on_slurm(cluster: Any, tmp_path: Path) -> None:
     root = tmp_path / "sweep"
-    args = ("pretrain.iters=choice(4,5,60)", "search.n_trials=3", "search.max_concurrent=2")
+    args = ("pretrain.iters=choice(4,5,300)", "search.n_trials=3", "search.max_concurrent=2")
     try:
         launch(cluster, root, *args)
+        job = controller_job(root)
+        assert job is not None and controller_alive(root)
         wait_for(
             "trial 1 to start", lambda: (t := trials.load(root, 1)) is not None and t.pid is not None, root
         )
-        os.kill(json.loads((root / ".search" / "controller.json").read_text())["pid"], signal.SIGKILL)
-        wait_for("the controller to die", lambda: not controller_alive(root), root, timeout=30)
+        # requeued by SLURM (as after a node failure or preemption): the same job comes back and resumes
+        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        wait_for(
+            "the job to run again", lambda: job_state(job)[2] >= 2 and job_state(job)[0] == "RUNNING", root
+        )
+        wait_for("the requeued controller to resume", lambda: _lines(root, "adopted") >= 1, root, timeout=300)
+        # killed (SIGKILL, no chance to stop cleanly): the same command again starts a new controller job, which
+        # adopts what is in flight
+        r = subprocess.run(["scancel", "--signal=KILL", job], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        wait_for("the controller to end", lambda: not controller_alive(root), root, timeout=60)
         launch(cluster, root, *args)
+        assert controller_job(root) not in (None, job)
         wait_for("the study to finish", finished(root, 3), root, timeout=700)
     finally:
         if (root / ".search").is_dir():
@@ -51,7 +63,7 @@ def test_refill_kill_9_and_resume_on_slurm(cluster: Any, tmp_path: Path) -> None
         root / ".search" / "controller.log"
     ).read_text()
     assert all(submissions(Path(t.run_dir)) == 1 for t in files.values()), "a trial was submitted twice"
-    long = next(t for t in load_study(root).trials if t.params["pretrain.iters"] == 60)
+    long = next(t for t in load_study(root).trials if t.params["pretrain.iters"] == 300)
     long_end = Ledger(Path(files[long.number].run_dir)).read("pretrain")
     assert long_end is not None and long_end.ended_at is not None and files[2].submitted_at is not None
     assert files[2].submitted_at < long_end.ended_at, "the third trial waited for the long one"
@@ -112,3 +124,8 @@ def _pretrain_jobs(root: Path) -> list[str]:
         if rec is not None and rec.job_ids:
             out.append(rec.job_ids[-1])
     return out
+
+
+def _lines(root: Path, word: str) -> int:
+    log = root / ".search" / "controller.log"
+    return sum(word in ln for ln in log.read_text().splitlines()) if log.is_file() else 0

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.stages.test_eval import run_eval_stage, small_config
 from tests.support.lm_tasks import write_tasks
 from tests.support.prep import run_prep
@@ -74,18 +76,31 @@ def test_eval_applies_the_runs_chat_template_to_lm_eval_prompts(tmp_path: Path) 
     )  # a few-shot turn, the question
 
 
-def test_the_runs_own_task_is_an_lm_eval_task_with_the_stages_own_accuracy(tmp_path: Path) -> None:
-    """eval.tasks=[pipeline_task]: the held-out task through lm-eval on the engine backend, the same examples,
-    generation length and checker as the stage's own task accuracy: the same accuracy."""
+def test_the_runs_own_sets_are_lm_eval_tasks_with_the_stages_own_accuracies(tmp_path: Path) -> None:
+    """eval.tasks=[pipeline_task, pipeline_pref]: the held-out task and preference pairs through lm-eval on the
+    engine backend, the same examples, generation length, checker and pairs as the stage's own accuracies: the
+    same accuracies."""
     cfg = small_config(tmp_path, task_examples=6, perplexity_batches=1)
     cfg.eval.models = ["pretrain"]
-    cfg.eval.tasks = ["pipeline_task"]
+    cfg.eval.tasks = ["pipeline_task", "pipeline_pref"]
     run = tmp_path / "run"
     run_prep(cfg, run / "stages" / "data_prep")
     run_eval_stage(tmp_path, cfg, run, {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     out = run / "stages" / "eval"
-    r = json.loads((out / "results.json").read_text())["models"]["pretrain"]
+    results = json.loads((out / "results.json").read_text())
+    r = results["models"]["pretrain"]
     own = r["lm_eval"]["pipeline_task"]
     assert own["samples"] == 6 and own["metrics"]["acc"]["value"] == r["task_accuracy"], (own, r)
     docs = [json.loads(d) for d in (out / "lm_eval_tasks" / "pipeline_task.jsonl").read_text().splitlines()]
     assert len(docs) == 6 and [d["answer"] for d in docs[:5]] == [s["answer"] for s in r["samples"]]
+    pref, pairs = r["lm_eval"]["pipeline_pref"], results["data"]["pref_pairs"]
+    assert pairs > 0 and pref["samples"] == pairs, (pref, results["data"])
+    assert pref["metrics"]["acc"]["value"] == pytest.approx(r["pref_accuracy"], abs=1e-12), (pref, r)
+    assert pref["metrics"]["acc"]["stderr"] is not None
+
+
+def test_every_own_task_name_has_its_task() -> None:
+    from pipeline.schema.stage_sections import OWN_LM_TASKS
+    from stages.eval_own_tasks import OWN_TASKS
+
+    assert tuple(OWN_TASKS) == OWN_LM_TASKS

@@ -103,7 +103,7 @@ def test_in_training_tasks_are_checked_under_their_own_key(tmp_path: Path, task_
 def test_the_runs_own_task_needs_no_registry_and_runs_in_eval_only(tmp_path: Path, task_dir: Path) -> None:
     from pipeline.submit.preflight.tasks import _in_loop_tasks
 
-    check(tmp_path, ["pipeline_task", "local_mc"])  # defined by the eval stage itself
+    check(tmp_path, ["pipeline_task", "local_mc", "pipeline_pref"])  # defined by the eval stage itself
     with pytest.raises(ConfigError, match=r"eval\.tasks\[2\]='local_mcc': unknown lm-eval task"):
         check(tmp_path, ["pipeline_task", "local_mc", "local_mcc"])  # the index counts the own task
     cfg = PipelineConfig()
@@ -111,5 +111,10 @@ def test_the_runs_own_task_needs_no_registry_and_runs_in_eval_only(tmp_path: Pat
     cfg.pretrain.eval_tasks = ["local_mc", "pipeline_task"]
     with pytest.raises(
         ConfigError, match=r"pretrain\.eval_tasks\[1\]='pipeline_task': .*put it in eval\.tasks"
+    ):
+        _in_loop_tasks(cfg, "pretrain")
+    cfg.pretrain.eval_tasks = ["pipeline_pref"]
+    with pytest.raises(
+        ConfigError, match=r"pretrain\.eval_tasks\[0\]='pipeline_pref': .*put it in eval\.tasks"
     ):
         _in_loop_tasks(cfg, "pretrain")

@@ -3,7 +3,8 @@
 SPEC keys: hf_dir, task_dir (an include_path; lm-eval's bundled tasks are not indexed: ~25 s), tasks, num_fewshot,
 limit, max_length, batch_size, registry (build the backend through lm-eval's registry by name, ``llm-pipeline``,
 instead of from engine objects), chat (lm-eval's apply_chat_template, with the directory's own template), out (set
-by launch), pp (pipeline stages). Every rank runs it (ranks beyond pp are data-parallel replicas).
+by launch), pp (pipeline stages), shared_rows (instead: score ``shared_rows``'s requests through EngineLM and
+each alone; see ``shared_rows``). Every rank runs it (ranks beyond pp are data-parallel replicas).
 Writes {"results": simple_evaluate's results, "resps": {task: [per-doc responses]}, "prompts", "served" (each
 rank's count of requests it computed)} to ``out``.
 """
@@ -19,7 +20,37 @@ def responses(samples: dict[str, list[dict]]) -> dict[str, list[Any]]:
     return {t: [s["resps"] for s in sorted(rows, key=lambda s: s["doc_id"])] for t, rows in samples.items()}
 
 
+def shared_rows(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec["shared_rows"]``: [[context text, continuation token ids], ...]. Returns {"got": EngineLM's
+    (loglikelihood, is_greedy) per request, "alone": each request scored as its own row, "rows": the batch
+    sizes of the forwards EngineLM ran}."""
+    import engine.models.generate as G
+    from engine.evaluation.lm import EngineLM, score_rows
+    from engine.evaluation.load import load_hf_dir
+    from engine.runtime import distributed as D
+
+    try:
+        chunks, tok, stops, _ = load_hf_dir(spec["hf_dir"], spec["max_length"])
+        lm = EngineLM(chunks, tok, max_length=spec["max_length"], batch_size=4, stop_tokens=stops)
+        reqs = [(None, lm.tok_encode(text), cont) for text, cont in spec["shared_rows"]]
+        alone = [score_rows(chunks, [(c + k)[:-1]], [k])[0] for _, c, k in reqs]
+        rows: list[int] = []
+        forward = G.forward_logits
+
+        def counted(c: Any, t: Any, p: Any, **kw: Any) -> Any:
+            rows.append(t.shape[0])
+            return forward(c, t, p)
+
+        G.forward_logits = counted
+        got = lm._loglikelihood_tokens(reqs)
+    finally:
+        D.shutdown()
+    return {"got": got, "alone": alone, "rows": rows}
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec.get("shared_rows"):
+        return shared_rows(spec)
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 

@@ -6,6 +6,7 @@ definition (``include``) pointed at a local JSON file in ARC's format."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import lm_eval
@@ -105,7 +106,9 @@ def _mc_doc(i: int) -> dict:
 
 
 def _text(i: int, n: int) -> str:
-    return " ".join(WORDS[(i * 3 + k * 5) % len(WORDS)] for k in range(n)) + f". What comes after {i}?"
+    """Document i: n words drawn with seed i, so no two documents (nor windows of one) repeat, as in real text."""
+    rng = random.Random(i)
+    return " ".join(rng.choice(WORDS) for _ in range(n)) + f". What comes after {i}?"
 
 
 def _write(path: Path, rows: list[dict]) -> None:

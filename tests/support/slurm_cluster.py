@@ -113,6 +113,11 @@ class SlurmCluster:
         """Bring a node back; returns once SLURM reports it usable (idle/mixed/allocated)."""
         return self._c.start_node(name, wait=True, deadline_s=deadline_s)
 
+    def node_processes(self, name: str) -> list[int]:
+        """PIDs (this machine's) of every process running on node ``name`` (its PID namespace)."""
+        p = self._c.procs.get(name)
+        return p.members() if p is not None and p.alive() else []
+
     def node_alive(self, name: str) -> bool:
         return self._c.alive(name)
 

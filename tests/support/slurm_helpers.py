@@ -11,6 +11,7 @@ import math
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,20 @@ SETTLED = ("completed", "failed", "blocked", "cancelled")
 
 
 @pytest.fixture
-def cluster(slurm_cluster: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+def cluster(slurm_cluster: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The session cluster, with its variables in os.environ (pipeline.reporting.status calls squeue/sacct here)."""
     for k, v in slurm_cluster.vars.items():
         monkeypatch.setenv(k, v)
     slurm_cluster.wait_nodes_idle(deadline_s=120)
-    return slurm_cluster
+    yield slurm_cluster
+
+    # nothing a test submitted outlives it (a failed test's held or pending jobs would wait for the next tests)
+    def queued() -> list[str]:
+        return str(slurm_cluster.run("squeue", "-h", "-o", "%i", check=False).stdout).split()
+
+    if left := queued():
+        slurm_cluster.run("scancel", *left, check=False)
+        wait_for(lambda: not queued(), 60, lambda: f"jobs left after scancel: {queued()}")
 
 
 def pipeline(

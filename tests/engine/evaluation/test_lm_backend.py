@@ -166,3 +166,19 @@ def test_a_model_without_a_chat_template_cannot_apply_one(setup: dict[str, Path]
     assert has_chat_template(setup["hf"]) and not has_chat_template(bare)
     with pytest.raises(ValueError, match="without a chat template"):
         render_chat(None, [{"role": "user", "content": "hi"}])
+
+
+def test_requests_with_the_same_input_row_share_one_forward_row(
+    setup: dict[str, Path], tmp_path: Path
+) -> None:
+    """One-token answers to one question are the same input row (the context): one row of the forward for all
+    of them, with the numbers each request gets alone (in a worker: the engine patches torch on CPU)."""
+    reqs = [["the quick brown fox", [t]] for t in (5, 6, 7, 8)] + [
+        ["the quick brown fox", [5, 6]],
+        ["a lazy dog", [9]],
+    ]
+    spec = {"hf_dir": str(setup["hf"]), "max_length": MAX_LENGTH, "shared_rows": reqs}
+    out = launch(1, spec, tmp_path, script=WORKER, extra_env=OFFLINE)
+    assert sum(out["rows"]) == 3  # ctx (four requests), ctx + [5], other
+    for (ll, greedy), (want, want_greedy) in zip(out["got"], out["alone"], strict=True):
+        assert abs(ll - want) <= TOL and greedy == want_greedy

@@ -57,6 +57,15 @@ def test_generate_single_rank(single: tuple[dict[str, Any], Path]) -> None:
     check(single[0])
 
 
+@pytest.mark.timeout(300)
+def test_generate_rope_with_keys_rotated_when_cached(tmp_path: Path) -> None:
+    """RoPE: the cache holds keys rotated once, at their positions (engine.models.attention's
+    RotatedCacheSelfAttention); generation equals full recomputation, grouped-query heads too. Large initial
+    weights peak the attention, so a key rotated at a wrong position changes the tokens."""
+    rope = {**MODEL, "position_embedding": "rope", "num_query_groups": 2, "init_method_std": 0.5}
+    check(launch(1, spec(model=rope), tmp_path, script=WORKER))
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
@@ -85,3 +94,23 @@ def test_unpad_sampling_params_and_top_p() -> None:
     g = torch.Generator().manual_seed(0)
     assert set(_sample(logits, SamplingParams(temperature=1.0, top_p=0.5), g).tolist()) == {0}
     assert set(_sample(logits, SamplingParams(temperature=1.0, top_k=2), g).tolist()) == {0, 1}
+
+
+def test_top_k_and_top_p_sample_the_filtered_distribution_by_token_id() -> None:
+    import torch
+
+    from engine.models.generate import SamplingParams, _sample
+
+    # ids 0..3 hold 0.3, 0.1, 0.4, 0.2: top-k 3 keeps ids 2, 0, 3; top-p 0.6 of those keeps 2 and 0 (0.4 / 0.3)
+    logits = torch.log(torch.tensor([[0.3, 0.1, 0.4, 0.2]])).expand(8000, 4)
+    g = torch.Generator().manual_seed(1)
+    for params in (
+        SamplingParams(temperature=1.0, top_k=3, top_p=0.6),
+        SamplingParams(temperature=1.0, top_p=0.6),
+    ):
+        counts = torch.bincount(_sample(logits, params, g), minlength=4).tolist()
+        assert counts[1] == counts[3] == 0, params
+        assert abs(counts[2] / 8000 - 4 / 7) < 0.02, (params, counts)
+    # no filter: every token, in proportion
+    counts = torch.bincount(_sample(logits, SamplingParams(temperature=1.0), g), minlength=4).tolist()
+    assert [round(c / 8000, 1) for c in counts] == [0.3, 0.1, 0.4, 0.2]

@@ -55,6 +55,7 @@ def test_sink_serves_its_series_and_writes_a_textfile(tmp_path: Path) -> None:
             if step == 4:
                 swings = _value(_scrape(_url(info)), "llm_loss_swings_in_a_row")
         s.on_alarm(view(info, 5, {"kind": "alarm", "alarm": "grad_norm"}))
+        s.on_straggler(view(info, 5, {"kind": "straggler", "nodes": {"node1": 0.98, "node2": 1.43}}))
         text = _scrape(_url(info))
     finally:
         s.close()
@@ -66,6 +67,7 @@ def test_sink_serves_its_series_and_writes_a_textfile(tmp_path: Path) -> None:
     )
     assert 0 < _value(text, "llm_memory_used_ratio") < 1 and 0 < _value(text, "llm_goodput_ratio") <= 1
     assert 'llm_alarms_total{alarm="grad_norm",run="run-x",stage="pretrain"} 1.0' in text
+    assert 'llm_straggler_score{node="node2",run="run-x",stage="pretrain"} 1.43' in text
     assert "llm_gpu_utilization_ratio{" not in text, "a CPU job has no GPU series (absent, never 0)"
     assert "llm_loss{" in (tmp_path / "llm_run-x_pretrain.prom").read_text()
     with pytest.raises(OSError):  # closed: nothing listens any more
