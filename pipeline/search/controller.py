@@ -89,7 +89,9 @@ class Controller:
     def poll(self) -> None:
         """Settle every trial in flight: report new rung values (maybe prune), tell those that ended."""
         ids = [j for t in self.inflight.values() if t.executor == "slurm" for j in trials.job_ids(t)]
-        alive = alive_jobs(ids) if ids else set()  # one query for every trial together
+        alive = alive_jobs(ids) if ids else set()  # one query for every trial together; None: query failed
+        if alive is None:
+            self.say("SLURM did not answer this poll: trials' jobs are asked again at the next")
         for number, tf in list(self.inflight.items()):
             st, why = trials.state(tf, alive)
             if st == CUT_OFF and not self.stopping.is_set():

@@ -138,10 +138,11 @@ def job_ids(t: TrialFile) -> list[str]:
     return [j for r in ledger.records(t.stages).values() if r and r.status in ACTIVE for j in r.job_ids]
 
 
-def state(t: TrialFile, alive_jobs: set[str]) -> tuple[str, str]:
+def state(t: TrialFile, alive_jobs: set[str] | None) -> tuple[str, str]:
     """(running | complete | failed | cut off, why) of an in-flight trial; cut off: a SLURM trial whose command
     ended before it had submitted every stage, while the submitted ones still run (its command is idempotent:
-    started again, it submits the rest after those)."""
+    started again, it submits the rest after those). ``alive_jobs`` None: SLURM could not be asked this poll,
+    so a SLURM trial not settled by its ledger counts as running (the next poll asks again)."""
     if alive(t.pid, t.start):
         return RUNNING, ""
     records = Ledger(t.path_dir).records(t.stages)
@@ -158,7 +159,7 @@ def state(t: TrialFile, alive_jobs: set[str]) -> tuple[str, str]:
         # its command died before submitting every stage (e.g. with a requeued controller's job): start it again
         if any(r is None for r in records.values()) and t.commands < MAX_COMMANDS:
             return CUT_OFF, ""
-        if any(j in alive_jobs for j in job_ids(t)):
+        if alive_jobs is None or any(j in alive_jobs for j in job_ids(t)):
             return RUNNING, ""
     return FAILED, f"the trial's command ended before its stages completed (log: .search/logs/{t.number}.log)"
 

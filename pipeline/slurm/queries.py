@@ -79,13 +79,16 @@ def exclude_nodes(job_ids: list[str], nodes: list[str]) -> list[str]:
     return done
 
 
-def alive_jobs(job_ids: list[str]) -> set[str]:
+def alive_jobs(job_ids: list[str]) -> set[str] | None:
     """Which of ``job_ids`` will still run: one ``squeue`` for all of them, and one ``sacct`` for those it no
-    longer lists (a search polls every trial's jobs together, never one query per job)."""
+    longer lists (a search polls every trial's jobs together, never one query per job). None when a query
+    failed (slurmctld busy, the query killed with its caller's job): unknown is not dead."""
     ids = sorted({j for j in job_ids if j})
     if not ids:
         return set()
-    out = _run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T|%r"]) or ""
+    out = _run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T|%r"])
+    if out is None:
+        return None
     alive: set[str] = set()
     for line in out.splitlines():
         jid, _, rest = line.strip().partition("|")
@@ -94,7 +97,9 @@ def alive_jobs(job_ids: list[str]) -> set[str]:
             alive.add(jid)
     rest_ids = [j for j in ids if j not in alive and j not in {ln.split("|")[0] for ln in out.splitlines()}]
     if rest_ids:  # left the queue between two polls, or requeueing: sacct's last row decides
-        acct = _run(["sacct", "-n", "-P", "-D", "-X", "-j", ",".join(rest_ids), "-o", "JobID,State"]) or ""
+        acct = _run(["sacct", "-n", "-P", "-D", "-X", "-j", ",".join(rest_ids), "-o", "JobID,State"])
+        if acct is None:
+            return None
         last = {}
         for line in acct.splitlines():
             jid, _, state = line.strip().partition("|")

@@ -4,10 +4,14 @@ stages' jobs alone keep it running; a failed stage fails it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import pytest
 
 from pipeline.records.ledger import Ledger
 from pipeline.search import trials
+from pipeline.slurm.queries import alive_jobs
 
 
 def trial(tmp_path: Path, executor: str = "slurm", commands: int = 1) -> trials.TrialFile:
@@ -44,3 +48,24 @@ def test_a_local_trial_whose_command_ended_early_failed(tmp_path: Path) -> None:
     Ledger(t.path_dir).update("data_prep", status="completed")
     assert trials.state(t, set())[0] == trials.FAILED  # local commands run their stages: never started again
 
+
+def test_a_slurm_query_that_failed_is_unknown_not_dead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """squeue killed or timed out (the controller's job being cancelled, slurmctld busy): alive_jobs says None
+    and the trial runs on until a poll that SLURM answers; its ledger still fails it on its own."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for cmd in ("squeue", "sacct"):
+        (bin_dir / cmd).write_text("#!/bin/sh\necho 'slurm_load_jobs error: Socket timed out' >&2\nexit 1\n")
+        (bin_dir / cmd).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert alive_jobs(["12"]) is None
+    t = trial(tmp_path, commands=trials.MAX_COMMANDS)
+    ledger = Ledger(t.path_dir)
+    ledger.update("data_prep", status="completed")
+    ledger.update("pretrain", status="running", job_ids=["12"])
+    assert trials.state(t, None)[0] == trials.RUNNING
+    assert trials.state(t, set())[0] == trials.FAILED
+    ledger.update("pretrain", status="failed", error="out of memory")
+    assert trials.state(t, None)[0] == trials.FAILED
