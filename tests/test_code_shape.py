@@ -9,6 +9,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.guard  # scripts/guards.sh: runs before any test that trains
+
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.support.env import REPO
+
+pytestmark = pytest.mark.guard  # scripts/guards.sh: runs before any test that trains
 
 RECIPES = (
     "Add an RL algorithm",

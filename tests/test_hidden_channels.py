@@ -10,7 +10,11 @@ from __future__ import annotations
 import ast
 import functools
 
+import pytest
+
 from tests.support.env import REPO
+
+pytestmark = pytest.mark.guard  # scripts/guards.sh: runs before any test that trains
 
 ROOTS = ("engine", "stages")
 ALLOWED = {

@@ -8,7 +8,11 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from tests.support.env import REPO as ROOT
+
+pytestmark = pytest.mark.guard  # scripts/guards.sh: runs before any test that trains
 
 
 def _contract(kind: str) -> dict:

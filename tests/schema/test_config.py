@@ -21,6 +21,7 @@ def shipped_options() -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.guard
 def test_default_composes_and_validates() -> None:
     cfg = load_config([])
     assert isinstance(cfg, PipelineConfig)
@@ -28,6 +29,7 @@ def test_default_composes_and_validates() -> None:
     assert cfg.run.stages == ["data_prep", "pretrain", "sft", "rlhf", "eval"]
 
 
+@pytest.mark.guard
 @pytest.mark.parametrize(("group", "option"), shipped_options())
 def test_every_shipped_yaml_composes_and_validates(group: str, option: str) -> None:
     if group == "parallel":

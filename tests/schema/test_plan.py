@@ -325,6 +325,7 @@ def test_planner_settings_are_validated() -> None:
 # ---------------------------------------------------------------------------- model YAMLs
 
 
+@pytest.mark.guard
 @pytest.mark.parametrize("path", sorted((CONF_DIR / "model").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_model_yaml_composes_and_validates(path: Path) -> None:
     cfg = compose_config([f"model={path.stem}"])
