@@ -18,6 +18,7 @@ import pytest as _pytest
 
 from tests.support.slurm_cluster import slurm_cluster  # noqa: F401
 from tests.support.slurm_helpers import cluster  # noqa: F401
+from tests.support.timing import SCALE, scaled
 
 SESSION_ENV = "PIPELINE_TEST_SESSION"
 
@@ -33,6 +34,10 @@ def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def
     for item in items:
         if "slurm_cluster" in item.fixturenames:
             item.add_marker(_pytest.mark.xdist_group("slurm"))
+        if SCALE != 1:  # PIPELINE_TEST_TIME_SCALE (tests/support/timing.py): the per-test limit scales too
+            m = item.get_closest_marker("timeout")
+            limit = (m.args[0] if m.args else m.kwargs["timeout"]) if m else config.getini("timeout")
+            item.add_marker(_pytest.mark.timeout(scaled(float(limit))), append=False)
 
 
 @_pytest.fixture(autouse=True)
@@ -70,7 +75,7 @@ def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
     marker = _os.environ.get(SESSION_ENV)
     if not marker or hasattr(session.config, "workerinput"):
         return
-    deadline = _time.monotonic() + 15  # helpers of the last test may still be exiting
+    deadline = _time.monotonic() + scaled(15)  # helpers of the last test may still be exiting
     left = session_processes(marker)
     while left and _time.monotonic() < deadline:
         _time.sleep(0.5)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.env import REPO as ROOT
+from tests.support.timing import scaled
 
 pytestmark = pytest.mark.guard  # scripts/guards.sh: runs before any test that trains
 
@@ -33,7 +34,7 @@ def test_every_module_sits_in_a_layer() -> None:
 
 def test_import_contracts_hold() -> None:
     lint = Path(sys.executable).with_name("lint-imports")
-    r = subprocess.run([str(lint)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([str(lint)], cwd=ROOT, capture_output=True, text=True, timeout=scaled(300))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 

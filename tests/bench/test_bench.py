@@ -17,9 +17,10 @@ from bench import bench_attention, bench_throughput
 from pipeline.schema.config import ModelConfig
 from pipeline.schema.params import param_count
 from tests.support.env import REPO, python_env
+from tests.support.timing import scaled
 
 
-def run_bench(name: str, *args: str, timeout: float = 560) -> subprocess.CompletedProcess[str]:
+def run_bench(name: str, *args: str, timeout: float = scaled(560)) -> subprocess.CompletedProcess[str]:
     """``python -m bench.<name> <args>`` from the repository root, as the benchmarks are run."""
     cmd = [sys.executable, "-m", f"bench.{name}", *args]
     return subprocess.run(cmd, cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=timeout)
@@ -106,7 +107,7 @@ def test_gpu_llama_1b_bench_reports_mfu(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     args = ["--gpu-only", "--steps", "3", "--warmup", "2", "--gpu-seqs", "1024", "--gpu-tokens", "2048"]
     args += ["--gpu-models", "llama3.2-1b"]
-    r = run_bench("bench_throughput", *args, "--json", str(out), timeout=880)
+    r = run_bench("bench_throughput", *args, "--json", str(out), timeout=scaled(880))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     gpu = json.loads(out.read_text())["gpu"]
     assert gpu["tokens_per_s"] > 0 and 0 < gpu["mfu"] < 1, gpu

@@ -11,6 +11,7 @@ import pytest
 from pipeline.records.ledger import Ledger
 from pipeline.schema.graph import DEFAULT_STAGES as STAGES
 from tests.support.cli import run_pipeline
+from tests.support.timing import scaled
 
 
 def run_dir_of(stdout: str) -> Path:
@@ -35,7 +36,7 @@ def test_tiny_pipeline_through_local_executor_then_rerun_skips(tmp_path: Path) -
         assert (run_dir / "provenance" / f).exists()
 
     t0 = time.time()
-    again = run_pipeline("experiment=tiny", f"run.root={tmp_path}", timeout=300)
+    again = run_pipeline("experiment=tiny", f"run.root={tmp_path}", timeout=scaled(300))
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("skipped") == len(STAGES)
     assert time.time() - t0 < 60
@@ -43,7 +44,7 @@ def test_tiny_pipeline_through_local_executor_then_rerun_skips(tmp_path: Path) -
 
 
 def test_config_error_exits_2_and_writes_nothing(tmp_path: Path) -> None:
-    r = run_pipeline("pretrain.parallel.tp=3", f"run.root={tmp_path}", timeout=120)
+    r = run_pipeline("pretrain.parallel.tp=3", f"run.root={tmp_path}", timeout=scaled(120))
     assert r.returncode == 2
     assert "config error: pretrain.parallel.tp=3" in r.stderr
     assert not any(tmp_path.iterdir())

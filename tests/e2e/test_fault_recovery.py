@@ -20,6 +20,7 @@ import torch
 from pipeline.records.ledger import Ledger
 from tests.support import cli
 from tests.support.cli import metrics, run_dir, seeded
+from tests.support.timing import scaled
 
 BASE = [
     "experiment=tiny",
@@ -158,7 +159,7 @@ def test_hung_rank_is_detected_dumped_and_exits_with_hang_code(
     assert_identical(final_tensors(root), baseline_dp2)
 
 
-def _wait_for(what: str, cond, timeout: float = 300):  # type: ignore[no-untyped-def]
+def _wait_for(what: str, cond, timeout: float = scaled(300)):  # type: ignore[no-untyped-def]
     import time
 
     deadline = time.monotonic() + timeout

@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.env import REPO
 from tests.support.hf_models import make
+from tests.support.timing import scaled
 
 GENERATE = """
 import json, sys, torch
@@ -34,7 +35,7 @@ print(json.dumps(out))
 """
 
 
-def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+def run(*args: str, timeout: float = scaled(900)) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -87,7 +88,7 @@ def export_generates_like_eval(run_dir: Path, stage: str, out: Path, new_tokens:
     results = json.loads((run_dir / "stages" / "eval" / "results.json").read_text())
     samples = results["models"][stage]["samples"]
     prompts = [s["prompt"] for s in samples]
-    g = run("-c", GENERATE, str(out), json.dumps(prompts), str(new_tokens), timeout=300)
+    g = run("-c", GENERATE, str(out), json.dumps(prompts), str(new_tokens), timeout=scaled(300))
     assert g.returncode == 0, g.stderr[-3000:]
     assert json.loads(g.stdout.strip().splitlines()[-1]) == [s["generated"] for s in samples]
     return out

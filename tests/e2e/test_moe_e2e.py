@@ -12,6 +12,7 @@ import pytest
 from pipeline.schema.graph import DEFAULT_STAGES
 from tests.support.cli import metrics, ok, run, run_dir, seeded
 from tests.support.metrics import FP32_REL, max_rel_delta, tb_scalars
+from tests.support.timing import scaled
 
 MOE_KEYS = (
     "moe_aux_loss",
@@ -26,7 +27,7 @@ MOE_KEYS = (
 @pytest.mark.timeout(1800)
 def test_moe_tiny_whole_graph_at_ep1_then_pretrain_at_ep2(tmp_path: Path) -> None:
     one = tmp_path / "ep1"
-    r = run(one, "experiment=moe-tiny", timeout=900)
+    r = run(one, "experiment=moe-tiny", timeout=scaled(900))
     ok(r)
     d = run_dir(one)
     for stage in DEFAULT_STAGES:
@@ -41,7 +42,11 @@ def test_moe_tiny_whole_graph_at_ep1_then_pretrain_at_ep2(tmp_path: Path) -> Non
 
     two = seeded(one, tmp_path / "ep2")
     r2 = run(
-        two, "experiment=moe-tiny", "pretrain.parallel.ep=2", "run.stages=[data_prep,pretrain]", timeout=900
+        two,
+        "experiment=moe-tiny",
+        "pretrain.parallel.ep=2",
+        "run.stages=[data_prep,pretrain]",
+        timeout=scaled(900),
     )
     ok(r2)
     assert "skipped" in r2.stdout  # data_prep, from the seed

@@ -20,6 +20,7 @@ import pytest
 
 from tests.support.env import REPO as ROOT
 from tests.support.metrics import tb_scalars
+from tests.support.timing import scaled
 
 CHROMIUM = shutil.which("chromium")
 TMUX = shutil.which("tmux")
@@ -32,7 +33,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     r = subprocess.run(
         [sys.executable, "-m", "pipeline", "experiment=tiny", "cluster=debug", f"run.root={root}",
          "pretrain.monitor.sinks=[tensorboard,wandb]"],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=900,
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=scaled(900),
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (run,) = [p for p in root.iterdir() if (p / "ledger").is_dir()]
@@ -47,7 +48,7 @@ def chromium(url: str, tmp: Path, *extra: str) -> subprocess.CompletedProcess[st
         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp / 'profile'}",
         "--enable-logging=stderr", "--v=0", *extra, url,
     ]  # fmt: skip
-    return subprocess.run(args, capture_output=True, text=True, timeout=180)
+    return subprocess.run(args, capture_output=True, text=True, timeout=scaled(180))
 
 
 @pytest.mark.slow
@@ -171,7 +172,7 @@ def test_status_watch_redraws_in_place_in_a_terminal(run_dir: Path, tmp_path: Pa
             ).stdout
 
         def wait_for(text: str) -> str:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + scaled(60)
             while time.monotonic() < deadline:
                 s = screen()
                 if text in s:
@@ -185,7 +186,7 @@ def test_status_watch_redraws_in_place_in_a_terminal(run_dir: Path, tmp_path: Pa
         s = wait_for("[rlhf] step 2/9")
         assert s.count("run directory:") == 1 and "step 1/9" not in s  # redrawn in place, not appended
         Ledger(run).update("rlhf", status="completed")
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while (
             time.monotonic() < deadline
             and session in subprocess.run([TMUX, "ls"], capture_output=True, text=True).stdout

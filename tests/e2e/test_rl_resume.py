@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.support import cli
+from tests.support.timing import scaled
 
 BASE = [
     "experiment=tiny",
@@ -121,7 +122,7 @@ def first_divergence(want: list[dict], got: list[dict]) -> str:
     return "no train line differs"
 
 
-def _wait_for(what: str, cond: object, timeout: float = 300) -> None:
+def _wait_for(what: str, cond: object, timeout: float = scaled(300)) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():  # type: ignore[operator]

@@ -26,6 +26,7 @@ import torch
 
 from tests.support.engine_worker import launch
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,7 +42,7 @@ def train(tmp: Path, precision: str, iters: int, **model: Any) -> list[dict[str,
         "stage": {"iters": iters, "threads": 4},
         "samples": 8,
     }
-    return list(launch(1, spec, tmp, timeout_s=300)["history"])
+    return list(launch(1, spec, tmp, timeout_s=scaled(300))["history"])
 
 
 @pytest.mark.timeout(900)

@@ -12,6 +12,7 @@ from pipeline.schema.compose import load_config
 from pipeline.schema.identity import stage_hashes
 from pipeline.submit.launch import sbatch_script
 from pipeline.submit.orchestrate import RunError, decide, run_dir_for
+from tests.support.timing import scaled
 
 REFERENCE = Path(__file__).parent / "data" / "dryrun_gpu_ib_pretrain.sbatch"
 
@@ -145,7 +146,7 @@ def test_concurrent_commands_lose_no_update(tmp_path: Path) -> None:
     try:
         (tmp_path / "go").touch()
         for p in procs:
-            assert p.wait(timeout=300) == 0
+            assert p.wait(timeout=scaled(300)) == 0
     finally:
         for p in procs:
             p.kill()

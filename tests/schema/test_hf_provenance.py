@@ -20,6 +20,7 @@ import pytest
 from pipeline.__main__ import main
 from tests.support.env import REPO
 from tests.support.hf_models import make
+from tests.support.timing import scaled
 
 LINE = re.compile(r"^config error: \S+=.*: .+$")
 
@@ -145,7 +146,11 @@ def test_the_tiny_preset_gives_way_to_the_model(
         out
     )  # not an architecture key: the preset's
     plan = subprocess.run(
-        [sys.executable, "-m", "pipeline.plan", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "pipeline.plan", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
     )
     assert plan.returncode == 0 and "deep" in plan.stdout, plan.stderr[-2000:]
 

@@ -25,6 +25,7 @@ from pipeline.schema.moe_sizes import dispatch_bytes, expert_params, rank_layers
 from pipeline.schema.params import active_param_count, param_count, rank_param_split
 from pipeline.schema.sections import ParallelConfig
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 # config.json of the published checkpoints, as Qwen and Mistral AI publish them (fields the mapping reads).
 QWEN3 = {
@@ -182,7 +183,7 @@ def test_moe_param_count_matches_megatron_gptmodel(tmp_path: Path) -> None:
     """q/k/v biases, q/k norms, routed experts, a gated shared expert and a dense layer between MoE layers."""
     done = subprocess.run(
         [sys.executable, "-c", _MEGATRON_MOE, str(tmp_path / "store"), json.dumps(dataclasses.asdict(TINY_MOE))],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        capture_output=True, text=True, timeout=scaled(300), cwd=REPO,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.strip().splitlines()[-1]) == param_count(TINY_MOE)

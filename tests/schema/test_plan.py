@@ -28,6 +28,7 @@ from pipeline.schema.estimates import (
 from pipeline.schema.params import layer_params, padded_vocab, param_count, rank_params
 from pipeline.schema.sections import ParallelConfig
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 GPU_CLUSTER = ["cluster.executor=slurm", "cluster.gpus_per_node=8"]
 PLAN_70B = [
@@ -131,7 +132,7 @@ def test_param_count_matches_megatron_gptmodel(tmp_path: Path) -> None:
     shapes = json.dumps([m.__dict__ for m in models])
     out = subprocess.run(
         [sys.executable, "-c", _MEGATRON_COUNT, str(tmp_path / "store"), shapes],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        capture_output=True, text=True, timeout=scaled(300), cwd=REPO,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [param_count(m) for m in models]

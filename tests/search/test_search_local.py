@@ -20,6 +20,7 @@ from pipeline.search import manage, trials
 from pipeline.search.launch import controller_alive
 from pipeline.search.study import load_study
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -50,7 +51,7 @@ def launch(root: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     return r
 
 
-def wait_for(what: str, cond: Callable[[], bool], root: Path, timeout: float = 400) -> None:
+def wait_for(what: str, cond: Callable[[], bool], root: Path, timeout: float = scaled(400)) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
@@ -129,7 +130,7 @@ def test_pruned_then_kill_9_and_resume(root: Path) -> None:
     wait_for("trial 1 to start", lambda: (t := trials.load(root, 1)) is not None and t.pid is not None, root)
     pid = json.loads((root / ".search" / "controller.json").read_text())["pid"]
     os.kill(pid, signal.SIGKILL)
-    wait_for("the controller to die", lambda: not controller_alive(root), root, timeout=30)
+    wait_for("the controller to die", lambda: not controller_alive(root), root, timeout=scaled(30))
     launch(root, *args)  # the same command: resumes, adopts trial 1
     wait_for("the study to finish", finished(root, 3), root)
     study = load_study(root)

@@ -16,12 +16,13 @@ import pytest
 
 from tests.support.env import REPO
 from tests.support.slurm_cluster import stray_processes, wait_for
+from tests.support.timing import scaled
 
 pytestmark = pytest.mark.slurm
 
 
 def test_bring_up_three_idle_nodes(slurm_cluster):
-    slurm_cluster.wait_nodes_idle(deadline_s=30)
+    slurm_cluster.wait_nodes_idle(deadline_s=scaled(30))
     states = slurm_cluster.node_states()
     assert states == {"node1": "idle", "node2": "idle", "node3": "idle"}, slurm_cluster.sinfo()
     out = slurm_cluster.sinfo("-h", "-N", "-o", "%N %c %P")
@@ -37,7 +38,7 @@ def test_two_node_job_hostnames_and_sacct(slurm_cluster):
         "--wrap",
         "echo batch $(hostname); srun bash -c 'echo task $SLURM_PROCID $(hostname)'; getent hosts node1",
     )
-    assert slurm_cluster.wait_job(jid, deadline_s=120) == "COMPLETED", slurm_cluster.job_output(jid)
+    assert slurm_cluster.wait_job(jid, deadline_s=scaled(120)) == "COMPLETED", slurm_cluster.job_output(jid)
     out = slurm_cluster.job_output(jid).split("\n")
     batch_host = next(x.split()[1] for x in out if x.startswith("batch "))
     tasks = sorted(x.split()[1:] for x in out if x.startswith("task "))
@@ -63,20 +64,20 @@ def test_afterok_on_failed_job_never_runs(slurm_cluster):
         f"--dependency=afterok:{failing}", "--kill-on-invalid-dep=yes", "--wrap", f"touch {marker}"
     )
     assert slurm_cluster.wait_job(failing) == "FAILED"
-    assert slurm_cluster.wait_job(killed, deadline_s=60) == "CANCELLED"
+    assert slurm_cluster.wait_job(killed, deadline_s=scaled(60)) == "CANCELLED"
     wait_for(
         lambda: slurm_cluster.squeue(waits) == ("PENDING", "DependencyNeverSatisfied"),
         60,
         lambda: f"squeue: {slurm_cluster.squeue(waits)}",
     )
     # it stays that way across several scheduler passes (sched_interval=2, bf_interval=1)
-    t_end = time.monotonic() + 6
+    t_end = time.monotonic() + scaled(6)
     while time.monotonic() < t_end:
         assert slurm_cluster.squeue(waits) == ("PENDING", "DependencyNeverSatisfied")
         time.sleep(0.5)
     assert slurm_cluster.sacct_state(waits) == "PENDING"
     slurm_cluster.run("scancel", waits)
-    assert slurm_cluster.wait_job(waits, deadline_s=60) == "CANCELLED"
+    assert slurm_cluster.wait_job(waits, deadline_s=scaled(60)) == "CANCELLED"
     assert not marker.exists(), "a job depending on a failed job ran"
 
 
@@ -150,7 +151,7 @@ echo finished on $(hostname)
             lambda: f"not restarted: {slurm_cluster.squeue(jid)} {slurm_cluster.node_states()}",
         )
         t_rerun = time.monotonic() - t_kill
-        assert slurm_cluster.wait_job(jid, states={"COMPLETED"}, deadline_s=120) == "COMPLETED"
+        assert slurm_cluster.wait_job(jid, states={"COMPLETED"}, deadline_s=scaled(120)) == "COMPLETED"
         t_done = time.monotonic() - t_kill
         second_node, count2 = log.read_text().strip().split("\n")[1].split()
         assert second_node != first_node and second_node in slurm_cluster.nodes
@@ -212,20 +213,20 @@ def test_cli_second_cluster_up_down_leaves_nothing(slurm_cluster):
         )
         assert out.stdout.split() == ["node1", "node2"], out.stdout + out.stderr
         st = subprocess.run(
-            cli + ["status", "--dir", str(d)], env=env, capture_output=True, text=True, timeout=60
+            cli + ["status", "--dir", str(d)], env=env, capture_output=True, text=True, timeout=scaled(60)
         )
         assert st.returncode == 0 and "node2" in st.stdout, st.stdout + st.stderr
         assert stray_processes(d)  # the daemons are found by the scan
     finally:
         t0 = time.monotonic()
         down = subprocess.run(
-            cli + ["down", "--dir", str(d)], env=env, capture_output=True, text=True, timeout=120
+            cli + ["down", "--dir", str(d)], env=env, capture_output=True, text=True, timeout=scaled(120)
         )
         t_down = time.monotonic() - t0
     assert down.returncode == 0, down.stdout + down.stderr
     assert not stray_processes(d)
     again = subprocess.run(
-        cli + ["down", "--dir", str(d)], env=env, capture_output=True, text=True, timeout=60
+        cli + ["down", "--dir", str(d)], env=env, capture_output=True, text=True, timeout=scaled(60)
     )
     assert again.returncode == 0, again.stdout + again.stderr
     slurm_cluster.timings.update(cli_up_2nodes_s=round(t_up, 1), cli_down_s=round(t_down, 1))

@@ -15,6 +15,7 @@ import pytest
 
 from engine.data.datasets import read_manifest
 from tests.support.slurm_helpers import TINY, fail_text, pipeline, run_dirs, wait_settled
+from tests.support.timing import scaled
 
 pytestmark = pytest.mark.slurm
 
@@ -47,7 +48,7 @@ def test_data_prep_on_two_nodes_byte_identical_to_one_rank(cluster, tmp_path):
         )
         assert r.returncode == 0, fail_text(r)
         [run_dir] = run_dirs(r.stdout)
-        views = wait_settled(run_dir, ["data_prep"], deadline_s=300)
+        views = wait_settled(run_dir, ["data_prep"], deadline_s=scaled(300))
         logs = "".join(p.read_text()[-3000:] for p in sorted(run_dir.rglob("*_log.err")))
         assert views["data_prep"].state == "completed", (launcher, views, logs)
         (d,) = [p for p in (tmp_path / f"r{n}{launcher}" / ".data").glob("data_prep-*") if p.is_dir()]

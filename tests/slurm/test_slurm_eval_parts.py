@@ -28,6 +28,7 @@ from tests.support.slurm_helpers import (
     submitted,
     wait_settled,
 )
+from tests.support.timing import scaled
 
 pytestmark = pytest.mark.slurm
 
@@ -81,7 +82,7 @@ def test_each_model_is_its_own_eval_job_and_a_rerun_redoes_only_the_cancelled_on
     )
     cluster.run("scancel", pieces["rlhf"][0])  # it waits for rlhf: cancelled before it ever ran
 
-    views = wait_settled(run_dir, STAGES, deadline_s=600)
+    views = wait_settled(run_dir, STAGES, deadline_s=scaled(600))
     assert [views[s].state for s in STAGES] == ["completed", "completed", "completed", "blocked"], views
     # the other models' jobs run to their end all the same (a re-run waits while any of them is queued)
     ran = [pieces[hf][0], pieces["sft"][0]]
@@ -95,7 +96,7 @@ def test_each_model_is_its_own_eval_job_and_a_rerun_redoes_only_the_cancelled_on
     assert f"[eval:{hf}] done earlier with the same config: skipped" in again.stdout, again.stdout
     assert "[eval:sft] done earlier with the same config: skipped" in again.stdout, again.stdout
     assert set(parts_submitted(again.stdout)) == {"rlhf"} and set(submitted(again.stdout)) == {"eval"}
-    views = wait_settled(run_dir, STAGES, deadline_s=600)
+    views = wait_settled(run_dir, STAGES, deadline_s=scaled(600))
     assert views["eval"].state == "completed", (views["eval"], run_story(run_dir))
     assert starts(run_dir) == {hf: 1, "sft": 1, "rlhf": 1}, run_story(run_dir)
 

@@ -37,6 +37,7 @@ from tests.support.slurm_helpers import (
     submitted,
     wait_settled,
 )
+from tests.support.timing import scaled
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -84,7 +85,7 @@ class Slowdown:
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
-        self.thread.join(timeout=30)
+        self.thread.join(timeout=scaled(30))
 
     def _run(self) -> None:
         group = CPU_CGROUPS / f"pipeline-test-slow-{self.node}-{os.getpid()}"

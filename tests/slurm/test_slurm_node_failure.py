@@ -43,6 +43,7 @@ from tests.support.slurm_helpers import (
     wait_sacct,
     wait_settled,
 )
+from tests.support.timing import scaled
 
 pytestmark = pytest.mark.slurm
 
@@ -80,8 +81,8 @@ def test_node_killed_mid_pretrain_is_requeued_resumed_and_matches_uninterrupted_
         [run_dir] = run_dirs(r.stdout)
         victim = _wait_hung_before_step(cluster, run_dir, jobs["pretrain"])[0]  # rank 0's node
         with _node_killed(cluster, victim) as t_kill:
-            seen = _pretrain_states_until_settled(run_dir, deadline_s=420)
-    cluster.wait_nodes_idle(deadline_s=120)  # the dead node is back, every job gone
+            seen = _pretrain_states_until_settled(run_dir, deadline_s=scaled(420))
+    cluster.wait_nodes_idle(deadline_s=scaled(120))  # the dead node is back, every job gone
 
     views = {v.stage: v for v in run_status(run_dir)}
     assert all(views[s].state == "completed" for s in GRAPH), describe_status(run_dir)
@@ -102,7 +103,7 @@ def _completed_run(cluster: Any, root: Path, stages: list[str]) -> Path:
     with _cancelled_on_failure(cluster, list(submitted(r.stdout).values())):
         assert r.returncode == 0, fail_text(r)
         [run_dir] = run_dirs(r.stdout)
-        views = wait_settled(run_dir, stages, deadline_s=420)
+        views = wait_settled(run_dir, stages, deadline_s=scaled(420))
     assert all(views[s].state == "completed" for s in stages), describe_status(run_dir)
     return run_dir
 

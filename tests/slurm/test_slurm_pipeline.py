@@ -36,6 +36,7 @@ from tests.support.slurm_helpers import (
     wait_sacct,
     wait_settled,
 )
+from tests.support.timing import scaled
 
 pytestmark = pytest.mark.slurm
 
@@ -57,7 +58,7 @@ def test_graph_completes_with_two_node_pretrain_and_second_command_submits_nothi
     assert not submitted(again.stdout) and "nothing submitted" in again.stdout, again.stdout
     assert "already queued or running" in again.stdout, again.stdout
 
-    views = wait_settled(run_dir, stages, deadline_s=480)
+    views = wait_settled(run_dir, stages, deadline_s=scaled(480))
     t_done = time.monotonic() - t0
     assert all(views[s].state == "completed" for s in stages), views
     st = pipeline(cluster, str(run_dir), module="pipeline.status")
@@ -127,7 +128,7 @@ def test_sweep_of_three_trials_each_own_run_dir_then_rerun_submits_nothing(clust
     assert len(trials) == 3 and len({t.name for t in trials}) == 3, r.stdout
     assert r.stdout.count("submitted job") == 6, r.stdout
     for run_dir in trials:
-        views = wait_settled(run_dir, ["data_prep", "pretrain"], deadline_s=420)
+        views = wait_settled(run_dir, ["data_prep", "pretrain"], deadline_s=scaled(420))
         assert {v.state for v in views.values()} == {"completed"}, views
         assert_ran_from_snapshot(run_dir, ["data_prep", "pretrain"])
     lrs = {OmegaConf.load(t / "provenance" / "config.yaml").pretrain.lr for t in trials}
@@ -148,7 +149,7 @@ def test_failed_stage_blocks_dependents_and_rerun_completes_the_rest(cluster, tm
     assert r.returncode == 0, fail_text(r)
     [run_dir] = run_dirs(r.stdout)
     jobs = submitted(r.stdout)
-    views = wait_settled(run_dir, ["data_prep", "pretrain", "sft"], deadline_s=420)
+    views = wait_settled(run_dir, ["data_prep", "pretrain", "sft"], deadline_s=scaled(420))
     assert views["data_prep"].state == "completed", views
     assert views["pretrain"].state == "failed" and "InjectedFault" in views["pretrain"].detail, views
     assert views["sft"].state == "blocked" and "upstream stage pretrain failed" in views["sft"].detail, views
@@ -167,7 +168,7 @@ def test_failed_stage_blocks_dependents_and_rerun_completes_the_rest(cluster, tm
     assert again.returncode == 0, fail_text(again)
     assert "[data_prep] completed earlier with the same config: skipped" in again.stdout, again.stdout
     assert list(submitted(again.stdout)) == ["pretrain", "sft"], again.stdout
-    views = wait_settled(run_dir, ["pretrain", "sft"], deadline_s=420)
+    views = wait_settled(run_dir, ["pretrain", "sft"], deadline_s=scaled(420))
     assert {v.state for v in views.values()} == {"completed"}, views
 
 
@@ -195,7 +196,7 @@ def test_crashed_stage_is_requeued_once_with_max_requeues_1(cluster, tmp_path):
     [run_dir] = run_dirs(r.stdout)
     job = submitted(r.stdout)["pretrain"]
     assert f"[pretrain] submitted job {job} (afterok:{prep})" in r.stdout, r.stdout
-    views = wait_settled(run_dir, ["data_prep", "pretrain"], deadline_s=420)
+    views = wait_settled(run_dir, ["data_prep", "pretrain"], deadline_s=scaled(420))
     assert views["pretrain"].state == "completed", views
     assert [e["restarts"] for e in events(run_dir, "started", "pretrain")] == [0, 1]
     assert len(events(run_dir, "requeued", "pretrain")) == 1
@@ -212,7 +213,7 @@ def test_hung_job_dumps_stacks_and_is_requeued(cluster, tmp_path):
     assert r.returncode == 0, fail_text(r)
     [run_dir] = run_dirs(r.stdout)
     job = submitted(r.stdout)["pretrain"]
-    views = wait_settled(run_dir, ["data_prep", "pretrain"], deadline_s=420)
+    views = wait_settled(run_dir, ["data_prep", "pretrain"], deadline_s=scaled(420))
     assert views["pretrain"].state == "completed", views
     assert [e["restarts"] for e in events(run_dir, "started", "pretrain")] == [0, 1]
     wait_sacct(cluster, job, ["REQUEUED", "COMPLETED"])

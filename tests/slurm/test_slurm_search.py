@@ -19,6 +19,7 @@ from pipeline.search.study import load_study
 from pipeline.slurm.queries import job_state
 from tests.search.test_search_local import BASE, finished, submissions, wait_for
 from tests.support.slurm_helpers import pipeline
+from tests.support.timing import scaled
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -41,20 +42,27 @@ def test_refill_requeue_cancel_and_resume_on_slurm(cluster: Any, tmp_path: Path)
             "trial 1 to start", lambda: (t := trials.load(root, 1)) is not None and t.pid is not None, root
         )
         # requeued by SLURM (as after a node failure or preemption): the same job comes back and resumes
-        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=scaled(60))
         assert r.returncode == 0, r.stderr
         wait_for(
             "the job to run again", lambda: job_state(job)[2] >= 2 and job_state(job)[0] == "RUNNING", root
         )
-        wait_for("the requeued controller to resume", lambda: _lines(root, "adopted") >= 1, root, timeout=300)
+        wait_for(
+            "the requeued controller to resume",
+            lambda: _lines(root, "adopted") >= 1,
+            root,
+            timeout=scaled(300),
+        )
         # killed (SIGKILL, no chance to stop cleanly): the same command again starts a new controller job, which
         # adopts what is in flight
-        r = subprocess.run(["scancel", "--signal=KILL", job], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            ["scancel", "--signal=KILL", job], capture_output=True, text=True, timeout=scaled(60)
+        )
         assert r.returncode == 0, r.stderr
-        wait_for("the controller to end", lambda: not controller_alive(root), root, timeout=60)
+        wait_for("the controller to end", lambda: not controller_alive(root), root, timeout=scaled(60))
         launch(cluster, root, *args)
         assert controller_job(root) not in (None, job)
-        wait_for("the study to finish", finished(root, 3), root, timeout=700)
+        wait_for("the study to finish", finished(root, 3), root, timeout=scaled(700))
     finally:
         if (root / ".search").is_dir():
             manage.cancel(root)
@@ -75,7 +83,7 @@ def test_pruned_trial_job_cancelled_on_slurm(cluster: Any, tmp_path: Path) -> No
     args = ("pretrain.lr=choice(0.004,1e-7,0.005)", "search.n_trials=2", "search.max_concurrent=1")
     try:
         launch(cluster, root, *args, "pretrain.iters=30", "search.pruner=median")
-        wait_for("the study to finish", finished(root, 2), root, timeout=700)
+        wait_for("the study to finish", finished(root, 2), root, timeout=scaled(700))
     finally:
         if (root / ".search").is_dir():
             manage.cancel(root)
@@ -84,7 +92,12 @@ def test_pruned_trial_job_cancelled_on_slurm(cluster: Any, tmp_path: Path) -> No
     pruned = next(t for t in trials.load_all(root) if t.ended == "pruned")
     rec = Ledger(Path(pruned.run_dir)).read("pretrain")
     assert rec is not None and rec.status == "cancelled" and "pruned by the search" in str(rec.error)
-    wait_for("SLURM to cancel the job", lambda: job_state(rec.job_ids[0])[0] == "CANCELLED", root, timeout=60)
+    wait_for(
+        "SLURM to cancel the job",
+        lambda: job_state(rec.job_ids[0])[0] == "CANCELLED",
+        root,
+        timeout=scaled(60),
+    )
 
 
 def test_status_and_cancel_of_a_sweep_on_slurm(cluster: Any, tmp_path: Path) -> None:
@@ -94,7 +107,9 @@ def test_status_and_cancel_of_a_sweep_on_slurm(cluster: Any, tmp_path: Path) -> 
     args = ("pretrain.iters=choice(100000,100001)", "search.n_trials=2", "search.max_concurrent=2")
     try:
         launch(cluster, root, *args, "pretrain.save_interval=100000")
-        wait_for("both trials' pretrain jobs", lambda: len(_pretrain_jobs(root)) == 2, root, timeout=300)
+        wait_for(
+            "both trials' pretrain jobs", lambda: len(_pretrain_jobs(root)) == 2, root, timeout=scaled(300)
+        )
         st = pipeline(cluster, str(root), module="pipeline.status")
         assert st.returncode == 0 and "controller: running" in st.stdout, st.stdout + st.stderr
         assert "trials: 2 (running 2)" in st.stdout, st.stdout

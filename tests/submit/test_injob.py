@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pipeline.submit.injob import main
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 RANK = """
 import os, sys
@@ -41,12 +42,14 @@ def test_a_signal_reaches_the_rank_and_ends_the_restarts(tmp_path: Path) -> None
     cmd = [sys.executable, "-m", "pipeline.submit.injob", "5", sys.executable, "-c", rank]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while not ready.exists():
             assert time.monotonic() < deadline and proc.poll() is None, "the rank never started"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 128 + signal.SIGTERM  # the rank died of it; nothing started again
+        assert (
+            proc.wait(timeout=scaled(30)) == 128 + signal.SIGTERM
+        )  # the rank died of it; nothing started again
         assert "starting it again" not in (proc.stdout.read() if proc.stdout else "")
     finally:
         if proc.poll() is None:

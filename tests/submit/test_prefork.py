@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from pipeline.submit import prefork
+from tests.support.timing import scaled
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
@@ -45,7 +46,7 @@ def executor(tmp_path: Path, python: str | None, tasks: int = 1) -> Any:
     return ex
 
 
-def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 120) -> None:
+def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = scaled(120)) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         if time.monotonic() > deadline:
@@ -114,7 +115,7 @@ def test_exit_status_and_errors_come_back_as_from_a_plain_process(
         wait_for("the rank", lambda: bool(psutil.Process(server.process.pid).children()))
         (rank,) = psutil.Process(server.process.pid).children()
         rank.kill()
-        assert p.wait(timeout=60) == -signal.SIGKILL
+        assert p.wait(timeout=scaled(60)) == -signal.SIGKILL
     finally:
         p.kill()
         p.wait()
@@ -125,7 +126,7 @@ def wait_for_signal(flag: str) -> str:
     got: list[int] = []
     signal.signal(signal.SIGTERM, lambda s, _f: got.append(s))
     Path(flag + ".ready").write_text(str(os.getpid()))
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + scaled(120)
     while not got and time.monotonic() < deadline:
         time.sleep(0.02)
     Path(flag).write_text("SIGTERM" if got else "none")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 
 def command(root: Path, *overrides: str, base: Sequence[str] = ()) -> list[str]:
@@ -19,7 +20,7 @@ def command(root: Path, *overrides: str, base: Sequence[str] = ()) -> list[str]:
 
 
 def run(
-    root: Path, *overrides: str, base: Sequence[str] = (), fault: str = "", timeout: float = 600
+    root: Path, *overrides: str, base: Sequence[str] = (), fault: str = "", timeout: float = scaled(600)
 ) -> subprocess.CompletedProcess[str]:
     """``python -m pipeline <base> run.root=<root> <overrides>`` from the checkout, with ``PIPELINE_FAULT=fault``
     (engine/runtime/fault_injection.py); output captured. Bind a file's base overrides with functools.partial."""
@@ -33,7 +34,7 @@ def run(
     )
 
 
-def run_pipeline(*overrides: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
+def run_pipeline(*overrides: str, timeout: float = scaled(1200)) -> subprocess.CompletedProcess[str]:
     """``python -m pipeline <overrides>`` from the checkout (no run root added), output captured."""
     return subprocess.run(
         [sys.executable, "-m", "pipeline", *overrides],

@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.env import REPO, module_command, rank_env
+from tests.support.timing import scaled
 
 
 def launch(
     world: int,
     spec: dict[str, Any],
     tmp: Path,
-    timeout_s: float = 600,
+    timeout_s: float = scaled(600),
     script: Path | None = None,
     extra_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.timing import scaled
+
 
 def main() -> None:
     host, go, cfg_json = sys.argv[1:4]
@@ -25,7 +27,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://")
     print("ready", flush=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + scaled(120)
     while not Path(go).exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     report = node_check(HealthConfig(**json.loads(cfg_json)), host=host)

@@ -16,6 +16,7 @@ import yaml
 
 from pipeline.slurm.job_env import free_port
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 RULES_DIR = REPO / "slurm" / "prometheus"
 T = TypeVar("T")
@@ -54,7 +55,7 @@ def exprs_of_dashboard(dash: dict[str, Any]) -> list[str]:
 
 
 def get_json(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=10) as r:
+    with urllib.request.urlopen(url, timeout=scaled(10)) as r:
         out: dict[str, Any] = json.loads(r.read())
     return out
 
@@ -93,12 +94,12 @@ def prometheus_server(workdir: Path, target: str, rules: str) -> Iterator[str]:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        poll("Prometheus ready", lambda: _ready(base, proc), timeout=60)
+        poll("Prometheus ready", lambda: _ready(base, proc), timeout=scaled(60))
         yield base
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=scaled(20))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -107,5 +108,5 @@ def prometheus_server(workdir: Path, target: str, rules: str) -> Iterator[str]:
 def _ready(base: str, proc: subprocess.Popen[bytes]) -> bool:
     if proc.poll() is not None:
         raise AssertionError(f"prometheus exited with {proc.returncode}")
-    with urllib.request.urlopen(f"{base}/-/ready", timeout=5) as r:
+    with urllib.request.urlopen(f"{base}/-/ready", timeout=scaled(5)) as r:
         return bool(r.status == 200)

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from slurm import localcluster as cluster_mod
+from tests.support.timing import scaled
 
 TERMINAL_STATES = {
     "COMPLETED",
@@ -109,7 +110,7 @@ class SlurmCluster:
         """Hardware failure: SIGKILL the node's process group / namespace (returns when it is gone)."""
         self._c.kill_node(name)
 
-    def start_node(self, name: str, deadline_s: float = 90) -> float:
+    def start_node(self, name: str, deadline_s: float = scaled(90)) -> float:
         """Bring a node back; returns once SLURM reports it usable (idle/mixed/allocated)."""
         return self._c.start_node(name, wait=True, deadline_s=deadline_s)
 
@@ -131,7 +132,7 @@ class SlurmCluster:
         """{"node1": "idle", ...} (long state names, with sinfo's suffixes such as '*')."""
         return self._c.node_states()
 
-    def wait_nodes_idle(self, deadline_s: float = 90) -> None:
+    def wait_nodes_idle(self, deadline_s: float = scaled(90)) -> None:
         wait_for(
             lambda: all(s == "idle" for s in self.node_states().values()),
             deadline_s,
@@ -139,7 +140,7 @@ class SlurmCluster:
         )
 
     # --- commands
-    def run(self, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    def run(self, *cmd: str, check: bool = True, timeout: float = scaled(60)) -> subprocess.CompletedProcess:
         cp = subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and cp.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} -> {cp.returncode}\n{cp.stdout}\n{cp.stderr}")
@@ -172,7 +173,7 @@ class SlurmCluster:
         state, reason = line.split("|", 1)
         return state, reason
 
-    def wait_job(self, job_id: str, states=TERMINAL_STATES, deadline_s: float = 120) -> str:
+    def wait_job(self, job_id: str, states=TERMINAL_STATES, deadline_s: float = scaled(120)) -> str:
         """Poll sacct until the job reaches one of `states`; returns that state."""
         return wait_for(
             lambda: s if (s := self.sacct_state(job_id)) in states else None,
@@ -204,7 +205,7 @@ def slurm_cluster():
     d = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp"))
     c = cluster_mod.Cluster(d, nodes=3)
     try:
-        up_s = c.up(deadline_s=180)
+        up_s = c.up(deadline_s=scaled(180))
     except BaseException:
         try:
             c.down()

@@ -22,6 +22,7 @@ from pipeline.records.ledger import Ledger
 from pipeline.reporting.status import StageView, run_status
 from tests.support.env import REPO
 from tests.support.slurm_cluster import wait_for
+from tests.support.timing import scaled
 
 TINY = [
     "experiment=tiny",
@@ -39,7 +40,7 @@ def cluster(slurm_cluster: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
     """The session cluster, with its variables in os.environ (pipeline.reporting.status calls squeue/sacct here)."""
     for k, v in slurm_cluster.vars.items():
         monkeypatch.setenv(k, v)
-    slurm_cluster.wait_nodes_idle(deadline_s=120)
+    slurm_cluster.wait_nodes_idle(deadline_s=scaled(120))
     yield slurm_cluster
 
     # nothing a test submitted outlives it (a failed test's held or pending jobs would wait for the next tests)
@@ -58,7 +59,12 @@ def pipeline(
     full = {k: v for k, v in cluster.env.items() if k not in ("PYTHONPATH", "PIPELINE_FAULT")}
     full.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=180
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=scaled(180),
     )
 
 
@@ -123,7 +129,7 @@ def sacct_ends(cluster: Any, job_id: str) -> list[tuple[str, float]]:
 
 
 def wait_sacct(
-    cluster: Any, job_id: str, runs: list[str], deadline_s: float = 120, run_dir: Path | None = None
+    cluster: Any, job_id: str, runs: list[str], deadline_s: float = scaled(120), run_dir: Path | None = None
 ) -> None:
     """Poll until sacct shows exactly ``runs``: the ledger says completed a moment before the job exits.
     With ``run_dir`` a failure also prints the run's events and its job logs' tails (what happened, and when)."""

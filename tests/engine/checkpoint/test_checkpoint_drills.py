@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 HELPERS_SCRIPT = """
 import multiprocessing as mp, os, sys, time
@@ -55,8 +56,8 @@ def test_checkpoint_writer_helpers_die_with_a_killed_training_process() -> None:
         kids = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
         assert set(helpers) <= kids
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-        left = wait_gone(sorted(kids), timeout=30)
+        proc.wait(timeout=scaled(60))
+        left = wait_gone(sorted(kids), timeout=scaled(30))
     finally:
         proc.kill()
         proc.wait()

@@ -21,6 +21,7 @@ from engine.checkpoint import errors, integrity, latest, layout
 from engine.checkpoint import load as ckload
 from engine.checkpoint import save as cksave
 from tests.support.env import rank_env
+from tests.support.timing import scaled
 
 FILES = ("__0_0.distcp", "__1_0.distcp", "rng.rank0.pt", "rng.rank1.pt", "common.pt", ".metadata")
 
@@ -105,7 +106,7 @@ def test_two_ranks_verify_their_own_files_and_agree(tmp_path: Path) -> None:
     outs = []
     for p in procs:
         try:
-            out, err = p.communicate(timeout=300)
+            out, err = p.communicate(timeout=scaled(300))
         finally:
             p.kill()
         assert p.returncode == 0, err[-3000:]
@@ -128,7 +129,11 @@ def test_resume_verifies_while_loading_and_falls_back(tmp_path: Path) -> None:
     from tests.support.engine_worker import launch
 
     out = launch(
-        2, {"root": str(tmp_path / "checkpoints")}, tmp_path / "work", timeout_s=600, script=Path(__file__)
+        2,
+        {"root": str(tmp_path / "checkpoints")},
+        tmp_path / "work",
+        timeout_s=scaled(600),
+        script=Path(__file__),
     )
     corrupt = out["corrupt"]
     assert "__1_" in Path(corrupt).name

@@ -24,6 +24,7 @@ import pytest
 from tests.support.env import REPO, module_command, rank_env
 from tests.support.metrics import FP32_REL, max_rel_delta
 from tests.support.resume_drill import assert_same_tensors, launch
+from tests.support.timing import scaled
 
 MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32}
 MOE = {**MODEL, "num_experts": 4, "moe_router_topk": 2, "moe_z_loss_coeff": 1e-3}
@@ -34,7 +35,7 @@ KILL_AFTER = 4
 the save written)."""
 
 
-def run_and_kill(world: int, spec: dict[str, Any], tmp: Path, deadline_s: float = 300) -> int:
+def run_and_kill(world: int, spec: dict[str, Any], tmp: Path, deadline_s: float = scaled(300)) -> int:
     """Start ``world`` drill ranks, SIGKILL them all once ``root/iter_<KILL_AFTER>`` is complete and a later
     step has ended; returns the last step the metrics show before the kill (the run must not have finished)."""
     from engine.checkpoint.layout import MARKER, iter_dir_name

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.timing import scaled
+
 VOCAB, SEQ = 96, 32
 TOL = 2e-5
 
@@ -26,7 +28,7 @@ TOL = 2e-5
 def _run(world: int, spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
     from tests.support.engine_worker import launch
 
-    return launch(world, spec, tmp, timeout_s=600, script=Path(__file__))
+    return launch(world, spec, tmp, timeout_s=scaled(600), script=Path(__file__))
 
 
 @pytest.mark.dist

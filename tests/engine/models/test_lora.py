@@ -19,6 +19,7 @@ from pipeline.schema.stage_sections import PeftConfig  # noqa: E402
 from tests.support import resume_drill as drill
 from tests.support.engine_worker import launch as engine_launch
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 LORA = {"method": "lora", "rank": 4, "alpha": 8.0}
 SWIGLU = {**drill.MODEL, "activation": "swiglu", "normalization": "RMSNorm", "add_bias_linear": False}
@@ -179,7 +180,10 @@ def subprocess_plan(overrides: list[str]) -> str:
     import subprocess
 
     done = subprocess.run(
-        [sys.executable, "-m", "pipeline.plan", *overrides], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "pipeline.plan", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -256,7 +260,11 @@ def test_lora_export_merged_and_peft_give_the_same_logits(tmp_path: Path) -> Non
         "down_proj",
     }
     done = subprocess.run(
-        [*run, LOGITS, str(hf), str(tmp_path / "out")], capture_output=True, text=True, timeout=300, env=env
+        [*run, LOGITS, str(hf), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     peft_vs_merged, base_vs_merged = map(float, done.stdout.split())

@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 SCRIPT = textwrap.dedent(
     """
@@ -122,7 +123,7 @@ def test_every_batch_lands_on_the_models_device(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("RANK", None), env.pop("WORLD_SIZE", None)
     r = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=scaled(300), env=env, cwd=REPO
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))

@@ -16,6 +16,7 @@ import torch
 
 from engine.runtime import cpu_compat
 from tests.support.env import REPO as ROOT
+from tests.support.timing import scaled
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="cpu_compat is inactive with CUDA")
 FACTORY_ARGS: dict[str, tuple[object, ...]] = {
@@ -106,7 +107,7 @@ SCRIPT = textwrap.dedent(
 def test_install_patches_and_uninstall_restores() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     r = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(300)
     )
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 

@@ -13,6 +13,7 @@ import pytest
 
 from engine.runtime.fault_injection import FaultInjector, InjectedFault, parse
 from engine.runtime.signals import HANG_EXIT_CODE, StopFlag
+from tests.support.timing import scaled
 
 
 def test_parse_specs() -> None:
@@ -57,12 +58,12 @@ def test_watchdog_dumps_stacks_and_exits_with_hang_code(tmp_path: Path) -> None:
         stuck_in_a_collective()
         """
     )
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=scaled(120))
     assert r.returncode == HANG_EXIT_CODE, r.stderr
     assert "stuck_in_a_collective" in r.stderr and "no progress" in r.stdout
 
 
 def test_kill_fault_kills(tmp_path: Path) -> None:
     script = f"from engine.runtime.fault_injection import FaultInjector; FaultInjector({str(tmp_path)!r}, 0, 'kill@step:1').check('step', 1)"
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=scaled(120))
     assert r.returncode == -signal.SIGKILL

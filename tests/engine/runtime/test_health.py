@@ -18,6 +18,7 @@ from engine.runtime.health import NodeFigures, by_node, judge
 from pipeline.schema.build import from_dict
 from pipeline.schema.errors import ConfigError
 from tests.support.env import rank_env
+from tests.support.timing import scaled
 
 
 def test_judge_names_the_slow_and_the_failing_node_by_hostname() -> None:
@@ -80,13 +81,13 @@ def test_two_rank_check_names_the_node_slowed_from_outside(tmp_path: Path) -> No
         slower = threading.Thread(target=_duty_cycle, args=(procs[1].pid, stop), daemon=True)
         slower.start()
         go.write_text("")
-        out, _ = procs[0].communicate(timeout=150)
+        out, _ = procs[0].communicate(timeout=scaled(150))
     finally:
         stop.set()
         for p in procs:
             if p.poll() is None:
                 p.kill()
-            p.wait(timeout=30)
+            p.wait(timeout=scaled(30))
     report = json.loads(out.strip().splitlines()[-1])
     assert set(report["nodes"]) == {"fast-node", "slow-node"}
     assert report["nodes"]["slow-node"]["matmul_s"] > 0 and report["nodes"]["fast-node"]["allreduce_s"] > 0

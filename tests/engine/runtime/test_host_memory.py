@@ -19,6 +19,7 @@ import torch
 
 from engine.runtime import host_memory
 from tests.support.env import REPO as ROOT
+from tests.support.timing import scaled
 
 BLOCKS = 8 * (4 << 20)
 
@@ -62,7 +63,7 @@ def _probe(how: str, **env: str) -> dict:
         environ.pop(k, None)
     r = subprocess.run(
         [sys.executable, "-c", _PROBE, how], cwd=ROOT, env={**environ, **env},
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=scaled(300),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])

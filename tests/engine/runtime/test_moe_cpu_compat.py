@@ -17,6 +17,7 @@ import torch
 
 from engine.runtime import cpu_compat
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 SCRIPT = textwrap.dedent(
     """
@@ -44,7 +45,7 @@ SCRIPT = textwrap.dedent(
 def test_router_gating_runs_once_the_te_names_are_defined() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     r = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(300)
     )
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 

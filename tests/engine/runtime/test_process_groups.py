@@ -14,11 +14,15 @@ from typing import Any
 
 import pytest
 
+from tests.support.timing import scaled
+
 
 def _run(world: int, tp: int, pp: int, share: bool, tmp: Path) -> dict[str, Any]:
     from tests.support.engine_worker import launch
 
-    return launch(world, {"tp": tp, "pp": pp, "share": share}, tmp, timeout_s=600, script=Path(__file__))
+    return launch(
+        world, {"tp": tp, "pp": pp, "share": share}, tmp, timeout_s=scaled(600), script=Path(__file__)
+    )
 
 
 @pytest.mark.dist

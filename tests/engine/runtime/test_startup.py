@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from tests.support.env import REPO as ROOT
+from tests.support.timing import scaled
 
 _PROBE = """
 import json, sys, torch
@@ -36,7 +37,7 @@ print(json.dumps(out))
 def _probe(dynamo_disable: str) -> dict:
     env = {**os.environ, "TORCHDYNAMO_DISABLE": dynamo_disable}
     r = subprocess.run(
-        [sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(300)
     )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -19,6 +19,7 @@ import torch
 from engine.runtime import vml
 from tests.support.env import REPO as ROOT
 from tests.support.env import rank_env
+from tests.support.timing import scaled
 
 PROBES = 10
 
@@ -45,7 +46,12 @@ def _probe(how: str) -> int:
     # one rank on its own port, whatever job (torchrun, SLURM) the suite itself runs in
     env = rank_env(0, 1, OMP_NUM_THREADS="2")
     r = subprocess.run(
-        [sys.executable, "-c", _PROBE, how], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _PROBE, how],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
     )
     assert r.returncode == 0, r.stderr[-2000:]
     return int(r.stdout.split()[-1])

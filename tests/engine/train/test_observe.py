@@ -18,6 +18,7 @@ from pipeline.schema.stage_sections import MonitorConfig
 from tests.support.engine_worker import launch
 from tests.support.env import REPO as ROOT
 from tests.support.metrics import tb_scalars
+from tests.support.timing import scaled
 
 # ---------------------------------------------------------------------------- the seam in the real loop
 
@@ -116,7 +117,7 @@ def test_stall_alarm_thread_fires_in_real_time() -> None:
     out: list[dict[str, Any]] = []
     a = Alarms(MonitorConfig(alarm_stall_s=0.2), out.append)
     a.on_train_start(view(StageInfo("pretrain", Path(".")), 3))
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while not out and time.monotonic() < deadline:
         time.sleep(0.05)
     a.close()

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.timing import scaled
+
 CLIP = 0.05
 
 
@@ -25,7 +27,7 @@ CLIP = 0.05
 def test_fused_adam_step_equals_torch_adamw_on_clipped_grads(tmp_path: Path) -> None:
     from tests.support.engine_worker import launch
 
-    out = launch(1, {}, tmp_path, timeout_s=600, script=Path(__file__))
+    out = launch(1, {}, tmp_path, timeout_s=scaled(600), script=Path(__file__))
     assert out["switched"] == 1 and out["fused"] and out["fused_after_load"], out
     assert out["groups"] == 2, out  # with and without weight decay
     assert out["grad_norm"] > CLIP, out  # the step clipped

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.support.engine_worker import launch
+from tests.support.timing import scaled
 
 
 def run(tmp: Path, precision: str, iters: int) -> list[dict[str, Any]]:
@@ -23,7 +24,7 @@ def run(tmp: Path, precision: str, iters: int) -> list[dict[str, Any]]:
         "stage": {"iters": iters},
         "samples": 4,
     }
-    return list(launch(1, spec, tmp / precision, timeout_s=300)["history"])
+    return list(launch(1, spec, tmp / precision, timeout_s=scaled(300))["history"])
 
 
 @pytest.mark.timeout(600)

@@ -25,6 +25,7 @@ from tests.support.prometheus import (
     poll,
     prometheus_server,
 )
+from tests.support.timing import scaled
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
@@ -33,7 +34,7 @@ needs_promtool = pytest.mark.skipif(
 
 
 def _scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
+    with urllib.request.urlopen(url, timeout=scaled(10)) as r:
         return str(r.read().decode())
 
 
@@ -115,7 +116,9 @@ def test_alert_rules_and_dashboard_use_only_exported_names() -> None:
 @needs_promtool
 def test_promtool_checks_the_rules_and_their_unit_tests_pass() -> None:
     for args in (["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"]):
-        r = subprocess.run([PROMTOOL, *args], cwd=RULES_DIR, capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [PROMTOOL, *args], cwd=RULES_DIR, capture_output=True, text=True, timeout=scaled(120)
+        )
         assert r.returncode == 0, r.stdout + r.stderr
     tests = yaml.safe_load((RULES_DIR / "alerts_test.yml").read_text())["tests"]
     cases = [c for t in tests for c in t["alert_rule_test"]]
@@ -138,7 +141,7 @@ def test_a_wrong_expectation_fails_promtool(tmp_path: Path) -> None:
     )
     (tmp_path / "alerts_test.yml").write_text(text)
     r = subprocess.run(
-        [PROMTOOL, "test", "rules", "alerts_test.yml"], cwd=tmp_path, capture_output=True, timeout=120
+        [PROMTOOL, "test", "rules", "alerts_test.yml"], cwd=tmp_path, capture_output=True, timeout=scaled(120)
     )
     assert r.returncode != 0
 
@@ -160,7 +163,7 @@ def test_real_prometheus_scrapes_a_running_job_and_its_stall_alert_fires(tmp_pat
     base += ["pretrain.monitor.prometheus_addr=127.0.0.1", "pretrain.hang_timeout_s=240"]
     job = cli.start(tmp_path / "runs", *base, fault="hang@step:3")  # steps 1-2, then no progress: a stall
     try:
-        where = poll("the job's prometheus.json", lambda: _where(tmp_path / "runs"), timeout=180)
+        where = poll("the job's prometheus.json", lambda: _where(tmp_path / "runs"), timeout=scaled(180))
         target = f"127.0.0.1:{where['port']}"
         stall = (RULES_DIR / "alerts.yml").read_text().replace("> 600", "> 3")  # seconds, not 10 minutes
         with prometheus_server(tmp_path / "prom", target, stall) as api:
@@ -183,7 +186,7 @@ def test_real_prometheus_scrapes_a_running_job_and_its_stall_alert_fires(tmp_pat
             assert firing[0]["labels"]["stage"] == "pretrain"
     finally:
         os.killpg(job.pid, signal.SIGKILL)
-        job.wait(timeout=60)
+        job.wait(timeout=scaled(60))
 
 
 def _where(root: Path) -> dict[str, Any] | None:

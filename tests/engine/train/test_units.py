@@ -13,13 +13,14 @@ from typing import Any
 import pytest
 
 from tests.support import engine_worker
+from tests.support.timing import scaled
 
 MODEL = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16}
 
 
 def launch(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
     """The worker as one rank on a free port; its result (the log on failure)."""
-    return engine_worker.launch(1, spec, tmp, timeout_s=480, script=Path(__file__))
+    return engine_worker.launch(1, spec, tmp, timeout_s=scaled(480), script=Path(__file__))
 
 
 @pytest.mark.timeout(600)
