@@ -21,7 +21,7 @@ test:
 	@bash scripts/guards.sh full
 	@bash slurm/install.sh
 	@bash scripts/install-test-deps.sh
-	$(PY) -m pytest -n 2 --dist loadgroup -m "not guard"
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not guard" --junitxml=runs/ci/junit.xml
 
 # Before every commit: the same guards (about 2 minutes on 2 cores once set up).
 lint:

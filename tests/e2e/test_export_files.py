@@ -18,6 +18,7 @@ from engine.convert.hf_export import pad_entry
 from pipeline.records.files import follow_umask, umask
 from tests.support.env import REPO
 from tests.support.hf_models import make
+from tests.support.timing import scaled
 
 
 def cli(mask: int, *args: str) -> subprocess.CompletedProcess[str]:
@@ -27,7 +28,7 @@ def cli(mask: int, *args: str) -> subprocess.CompletedProcess[str]:
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=scaled(900),
         preexec_fn=lambda: os.umask(mask),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -105,7 +105,7 @@ def test_sigkill_at_three_steps_and_mid_checkpoint_write(
         [sys.executable, "-m", "pipeline.status", str(run_dir(root))],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert "attempts 4" in status.stdout and "resumes 3" in status.stdout, status.stdout
     assert status.stdout.count("failed: unknown") == 3, status.stdout  # a SIGKILL from outside says nothing

@@ -59,7 +59,7 @@ def test_tiny_graph_end_to_end_on_cuda_through_the_local_executor(tmp_path: Path
         ],
         capture_output=True,
         text=True,
-        timeout=880,
+        timeout=scaled(880),
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )

@@ -17,6 +17,7 @@ from pipeline.schema.compose import load_config
 from pipeline.schema.identity import run_hash, stage_hashes
 from pipeline.submit.orchestrate import decide, run_dir_for
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 
 def write_corpus(path: Path, n: int = 60, tag: str = "doc") -> None:
@@ -82,7 +83,7 @@ def test_lr_sweep_prepares_data_once_and_an_edit_reruns_it(tmp_path: Path) -> No
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled(600),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     dirs = sorted(p for p in (tmp_path / "runs").iterdir() if p.name.startswith("default-"))
@@ -103,7 +104,7 @@ def test_lr_sweep_prepares_data_once_and_an_edit_reruns_it(tmp_path: Path) -> No
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled(600),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "skipped" not in r.stdout

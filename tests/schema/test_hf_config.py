@@ -18,6 +18,7 @@ from pipeline.schema.config import PipelineConfig
 from pipeline.schema.errors import ConfigError
 from tests.support.env import REPO as ROOT
 from tests.support.hf_models import make
+from tests.support.timing import scaled
 
 
 def load_config(overrides: list[str]) -> PipelineConfig:
@@ -83,7 +84,7 @@ def test_planner_plans_from_config_json(llama: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert out.returncode == 0, out.stderr
     assert "sft" in out.stdout and "tiny-llama" in out.stdout, out.stdout
@@ -92,6 +93,6 @@ def test_planner_plans_from_config_json(llama: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert bad.returncode == 2 and "model.num_layers=3: contradicts" in bad.stderr, bad.stderr

@@ -122,7 +122,7 @@ def test_counts_equal_transformers_on_the_meta_device() -> None:
         [sys.executable, "-c", code, json.dumps(PUBLISHED)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         cwd=REPO,
     )
     assert done.returncode == 0, done.stderr[-3000:]

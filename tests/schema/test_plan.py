@@ -250,7 +250,7 @@ def test_cli_prints_the_70b_plan_without_torch() -> None:
         [sys.executable, "-c", code, *PLAN_70B],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
         cwd=REPO,
         env=env,
     )

@@ -44,7 +44,7 @@ def launch(root: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"sweep directory: {root}" in r.stdout or "already runs" in r.stdout, r.stdout
@@ -159,7 +159,7 @@ def test_cancel_stops_controller_and_trials(root: Path) -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert r.returncode == 0 and "trials stopped: [0, 1]" in r.stdout, r.stdout + r.stderr
     assert not controller_alive(root)

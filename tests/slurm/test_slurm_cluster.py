@@ -192,7 +192,7 @@ def test_cli_second_cluster_up_down_leaves_nothing(slurm_cluster):
             env=env,
             capture_output=True,
             text=True,
-            timeout=240,
+            timeout=scaled(240),
         )
         t_up = time.monotonic() - t0
         assert up.returncode == 0, up.stdout + up.stderr
@@ -209,7 +209,7 @@ def test_cli_second_cluster_up_down_leaves_nothing(slurm_cluster):
             env=env,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=scaled(120),
         )
         assert out.stdout.split() == ["node1", "node2"], out.stdout + out.stderr
         st = subprocess.run(

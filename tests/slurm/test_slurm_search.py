@@ -124,7 +124,7 @@ def test_status_and_cancel_of_a_sweep_on_slurm(cluster: Any, tmp_path: Path) -> 
         "SLURM to cancel every trial's job",
         lambda: all(job_state(j)[0] == "CANCELLED" for j in jobs),
         root,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert {t.state.name for t in load_study(root).trials} == {"FAIL"}
     st = pipeline(cluster, str(root), module="pipeline.status")

@@ -15,6 +15,7 @@ from pipeline.schema.config import DataConfig, PipelineConfig
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.sections import DataSource
 from tests.support.prep import prep_config, run_prep
+from tests.support.timing import scaled
 
 WORDS = "the king queen sword crown night day love war peace river stone fire wind".split()
 
@@ -322,7 +323,7 @@ def test_two_ranks_under_the_local_executor_byte_identical_to_one(tmp_path: Path
             cwd=Path(__file__).resolve().parents[2],
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=scaled(300),
         )
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         (d,) = [p for p in (tmp_path / f"r{n}{launcher}" / ".data").glob("data_prep-*") if p.is_dir()]
@@ -355,7 +356,7 @@ def test_pretrain_trains_on_a_weighted_blend_through_the_cli(tmp_path: Path) -> 
         "data.corpus=sources",
         "pretrain.iters=3",
         f"data.sources=[{{path: {tmp_path / 'c0.jsonl'}, weight: 3}}, {{path: {tmp_path / 'c1.jsonl'}}}]",
-        timeout=500,
+        timeout=scaled(500),
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "[pretrain] step 3/3" in r.stdout and "s0: " in r.stdout and "documents kept" in r.stdout

@@ -17,6 +17,7 @@ from stages import data_prep, tasks
 from stages.data_prep.corpus import iter_task_documents
 from tests.support.env import REPO
 from tests.support.prep import OUTPUTS, run_prep, tiny_config, write_corpus
+from tests.support.timing import scaled
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +223,7 @@ def test_mpi_two_ranks_byte_identical(prepared: tuple[PipelineConfig, Path, dict
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=scaled(240),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     results = [

@@ -20,6 +20,7 @@ from pipeline.schema.sections import DataSource
 from stages import tasks
 from tests.support.env import python_env
 from tests.support.prep import WORDS, prep_config, run_prep
+from tests.support.timing import scaled
 
 PREP = """
 import json, sys
@@ -66,7 +67,7 @@ def test_one_huge_line_is_tokenized_in_bounded_memory_with_the_same_ids(corpus: 
         env=python_env(PYTHONWARNINGS="ignore"),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     peak = float(proc.stdout.split("PEAK_MB")[-1])

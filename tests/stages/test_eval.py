@@ -12,6 +12,7 @@ from typing import Any
 
 from tests.support.env import REPO
 from tests.support.prep import run_prep, tiny_config, write_corpus
+from tests.support.timing import scaled
 
 SCRIPT = textwrap.dedent(
     """
@@ -63,7 +64,7 @@ def run_eval_stage(tmp_path: Path, cfg: Any, run: Path, env: dict[str, str] | No
         env=full,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc

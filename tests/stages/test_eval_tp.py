@@ -11,6 +11,7 @@ import pytest
 
 from tests.support.engine_worker import launch
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 WORKER = REPO / "tests" / "support" / "eval_worker.py"
 
@@ -25,7 +26,7 @@ def test_eval_tp2_and_pp2_equal_one_rank(tmp_path: Path) -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=scaled(900),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_dir = next(tmp_path.glob("tiny-*"))

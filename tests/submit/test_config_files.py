@@ -14,6 +14,7 @@ import pytest
 
 from pipeline.__main__ import main
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 LINE = re.compile(r"^config error: \S+=.*: .+$")
 
@@ -139,7 +140,7 @@ def test_yaml_mistake_through_a_fresh_interpreter(conf: Path, tmp_path: Path) ->
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(err) == 1 and "experiment/tab.yaml:3:1" in err[0], r.stderr[-2000:]

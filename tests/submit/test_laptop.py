@@ -17,6 +17,7 @@ import pytest
 from pipeline.__main__ import main
 from pipeline.submit.preflight import local_gpus
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 SLURM_TOOLS = ("sbatch", "srun", "sinfo", "squeue", "scancel", "sacct", "scontrol")
 BASIC_TOOLS = ("sh", "bash", "env", "cat", "ls", "uname", "id", "mkdir", "rm", "cp", "mv", "ln", "git", "sed")
@@ -49,7 +50,7 @@ def cli(
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
 
 

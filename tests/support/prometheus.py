@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import subprocess
@@ -83,18 +84,8 @@ def prometheus_server(workdir: Path, target: str, rules: str) -> Iterator[str]:
         "scrape_configs": [{"job_name": "llm", "static_configs": [{"targets": [target]}]}],
     }
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    cmd = [
-        "prometheus",
-        f"--config.file={workdir / 'prometheus.yml'}",
-        f"--storage.tsdb.path={workdir / 'data'}",
-        f"--web.listen-address=127.0.0.1:{port}",
-    ]
-    with (workdir / "prometheus.log").open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = _start(workdir)
     try:
-        poll("Prometheus ready", lambda: _ready(base, proc), timeout=scaled(60))
         yield base
     finally:
         proc.terminate()
@@ -103,6 +94,32 @@ def prometheus_server(workdir: Path, target: str, rules: str) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _start(workdir: Path, tries: int = 5) -> tuple[subprocess.Popen[bytes], str]:
+    """Prometheus started and ready on a free port. The port is free when picked, not when Prometheus binds
+    it (a test beside this one may take it meanwhile): a start that lost the port tries another one."""
+    for _ in range(tries):
+        port = free_port()
+        cmd = [
+            "prometheus",
+            f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ]
+        with (workdir / "prometheus.log").open("w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            poll("Prometheus ready", functools.partial(_ready, base, proc), timeout=scaled(60))
+            return proc, base
+        except AssertionError:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            if "address already in use" not in (workdir / "prometheus.log").read_text():
+                raise
+    raise AssertionError(f"prometheus found no free port in {tries} tries ({workdir / 'prometheus.log'})")
 
 
 def _ready(base: str, proc: subprocess.Popen[bytes]) -> bool:

@@ -13,6 +13,7 @@ import pytest
 from tests.support.engine_worker import launch
 from tests.support.env import REPO as ROOT
 from tests.support.hf_models import make
+from tests.support.timing import scaled
 
 WORKER = ROOT / "tests" / "support" / "hf_worker.py"
 
@@ -35,7 +36,7 @@ def run_export(hf: Path, root: Path, out: Path, tol: float = 1e-4) -> subprocess
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
     )
 

@@ -243,7 +243,7 @@ def test_lora_export_merged_and_peft_give_the_same_logits(tmp_path: Path) -> Non
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled(600),
         env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]

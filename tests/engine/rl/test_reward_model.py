@@ -12,6 +12,7 @@ import torch
 
 from tests.support.engine_worker import launch
 from tests.support.env import REPO
+from tests.support.timing import scaled
 
 WORKER = REPO / "tests" / "support" / "reward_worker.py"
 
@@ -104,7 +105,7 @@ def test_reward_model_and_export_stages_through_the_cli(tmp_path: Path) -> None:
         "rlhf=grpo",
         "rlhf.reward=both",
         *LLAMA,
-        timeout=1100,
+        timeout=scaled(1100),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_dir = next(Path(tmp_path).glob("tiny-*"))

@@ -173,7 +173,7 @@ def test_gpu_check_without_a_gpu_says_so_and_skips_every_gpu_test(tmp_path: Path
         ["bash", str(REPO / "scripts" / "gpu-check.sh")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         env=env,
         cwd=REPO,
     )

@@ -157,7 +157,7 @@ def test_unknown_sink_fails_at_compose_before_any_job(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert r.returncode != 0 and "pretrain.monitor.sinks='neptune'" in r.stderr + r.stdout, r.stderr
 

@@ -152,7 +152,7 @@ def _query(base: str, q: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed")
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)  # above its waits' budgets (180 + 60 + 90 + 60 + 60 s): they fail first, naming the wait
 def test_real_prometheus_scrapes_a_running_job_and_its_stall_alert_fires(tmp_path: Path) -> None:
     import os
     import signal
@@ -170,7 +170,7 @@ def test_real_prometheus_scrapes_a_running_job_and_its_stall_alert_fires(tmp_pat
             got = poll(
                 "llm_step == 2 in Prometheus",
                 lambda: [r for r in _query(api, "llm_step") if r["value"][1] == "2"],
-                timeout=90,
+                timeout=scaled(90),
             )
             assert got[0]["metric"]["stage"] == "pretrain" and got[0]["metric"]["instance"] == target
             assert _query(api, "llm_loss") and _query(api, "llm_tokens_per_second"), "series scraped"
@@ -181,7 +181,7 @@ def test_real_prometheus_scrapes_a_running_job_and_its_stall_alert_fires(tmp_pat
                     for a in get_json(f"{api}/api/v1/alerts")["data"]["alerts"]
                     if a["labels"]["alertname"] == "LLMTrainingStalled" and a["state"] == "firing"
                 ],
-                timeout=60,
+                timeout=scaled(60),
             )
             assert firing[0]["labels"]["stage"] == "pretrain"
     finally:
