@@ -28,16 +28,27 @@ def pytest_configure(config):  # type: ignore[no-untyped-def]
         _os.environ[SESSION_ENV] = _uuid.uuid4().hex
 
 
+@_pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
     """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`), every test on the SLURM cluster runs on one
-    worker, so the session starts one cluster, as without xdist."""
+    worker, so the session starts one cluster, as without xdist. (Without tryfirst xdist read the groups
+    before this hook set them: each worker started a cluster of its own.)"""
     for item in items:
         if "slurm_cluster" in item.fixturenames:
             item.add_marker(_pytest.mark.xdist_group("slurm"))
+        elif _uses_module_fixture(item):
+            # a module fixture (a trained baseline, a prepared corpus) is built once per worker that runs one of
+            # its tests: the module's tests on one worker build it once (two workers built the SFT run twice)
+            item.add_marker(_pytest.mark.xdist_group(item.module.__name__))
         if SCALE != 1:  # PIPELINE_TEST_TIME_SCALE (tests/support/timing.py): the per-test limit scales too
             m = item.get_closest_marker("timeout")
             limit = (m.args[0] if m.args else m.kwargs["timeout"]) if m else config.getini("timeout")
             item.add_marker(_pytest.mark.timeout(scaled(float(limit))), append=False)
+
+
+def _uses_module_fixture(item):  # type: ignore[no-untyped-def]
+    defs = item._fixtureinfo.name2fixturedefs  # pytest's own record of the fixtures this test resolves
+    return any(d[-1].scope == "module" for name, d in defs.items() if d and name in item.fixturenames)
 
 
 @_pytest.fixture(autouse=True)
