@@ -152,7 +152,8 @@ def _query(base: str, q: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed")
-@pytest.mark.timeout(480)  # above its waits' budgets (180 + 60 + 90 + 60 + 60 s): they fail first, naming the wait
+# the limit is above its waits' budgets (180 + 60 + 90 + 60 + 60 s): they fail first, naming the wait
+@pytest.mark.timeout(480)
 def test_real_prometheus_scrapes_a_running_job_and_its_stall_alert_fires(tmp_path: Path) -> None:
     import os
     import signal
