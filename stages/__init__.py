@@ -1,7 +1,7 @@
 """The stage modules, one per stage declared in pipeline.schema.graph, each with ``main(cfg, ctx) -> outputs``.
 
-``entry(stage)`` imports the module ``stages.<stage>`` (a job imports only its own stage) and returns its
-``main``: a stage is declared once, in the graph, and found here by its name. The import stays inside this
+``entry(stage)`` imports the module ``stages.<stage>`` (``module(stage)``; a job imports only its own stage) and
+returns its ``main``: a stage is declared once, in the graph, and found here by its name. The import stays inside this
 package, so no layer is crossed (tests/test_layering.py checks where names are imported).
 """
 
@@ -21,9 +21,14 @@ StageMain = Callable[["PipelineConfig", "StageContext"], dict[str, Any]]
 """A stage's ``main(cfg, ctx)``: runs on every rank of the stage's job, returns rank 0's outputs."""
 
 
-def entry(stage: str) -> StageMain:
-    """The ``main(cfg, ctx)`` of the declared ``stage`` (imports ``stages.<stage>``)."""
+def module(stage: str) -> str:
+    """The module of the declared ``stage``, ``stages.<stage>`` (named without importing it: prefork preloads it)."""
     if stage not in STAGES:
         raise KeyError(f"stage {stage!r} is not declared in pipeline.schema.graph (declared: {list(STAGES)})")
-    main: StageMain = importlib.import_module(f"{__name__}.{stage}").main
+    return f"{__name__}.{stage}"
+
+
+def entry(stage: str) -> StageMain:
+    """The ``main(cfg, ctx)`` of the declared ``stage`` (imports ``stages.<stage>``)."""
+    main: StageMain = importlib.import_module(module(stage)).main
     return main

@@ -1,5 +1,6 @@
-"""RLHF of the SFT model with ``rlhf.algorithm``: offline DPO, or online GRPO, Dr. GRPO or PPO with generation in
-the loop (each declared in pipeline/schema/rl.py, implemented by its engine.rl module: engine.rl.registry).
+"""RLHF of the SFT model with ``rlhf.algorithm``: offline DPO, or online GRPO, Dr. GRPO, DAPO, GSPO or PPO with
+generation in the loop (each declared in pipeline/schema/rl.py, implemented by its engine.rl module:
+engine.rl.registry).
 
 Every algorithm runs on the engine's one loop through a training unit (engine.train.units); this stage only
 builds the inputs the algorithm's declaration says it reads (``RLInputs``): ``prompts`` (the task's prompt

@@ -120,8 +120,9 @@ def test_no_import_cycles_type_checking_imports_included() -> None:
 DYNAMIC_IMPORT_ALLOWED = {
     "engine/runtime/cpu_compat.py": "patches megatron-core internals named by dotted path (resolve)",
     "engine/checkpoint/unpickle.py": "the DCP metadata unpickler checks allowlisted torch/megatron classes",
-    "pipeline/submit/prefork.py": "preloads external packages (torch, megatron) by name; project modules are "
-    "imported plainly (_import_project)",
+    "pipeline/submit/prefork.py": "preloads external packages (torch, megatron) and the modules the declarations "
+    "name (declared_modules: stages.<stage>, each RL algorithm's engine.rl module; below pipeline.submit, "
+    "checked in tests/submit/test_prefork_preload.py); other project modules are imported plainly",
     "engine/rl/registry.py": "imports the engine.rl module an algorithm's torch-free declaration names (its own "
     "package, so no layer is crossed; checked below)",
     "stages/__init__.py": "imports stages.<name> for a stage declared in pipeline.schema.graph (its own package)",

@@ -63,8 +63,8 @@ PRELOAD = (
     "megatron.core.datasets.gpt_dataset",
     "megatron.core.pipeline_parallel",
 )
-"""External modules the server imports after the project's (``_import_project``) and megatron.core, the way a
-job imports them; one that fails (an optional package) is skipped."""
+"""External modules the server imports after the project's (``_import_project``, ``declared_modules``) and
+megatron.core, the way a job imports them; one that fails (an optional package) is skipped."""
 
 RELAYED_SIGNALS = (
     signal.SIGTERM,
@@ -268,33 +268,38 @@ def preload() -> None:
         _import_project()
     except Exception as e:  # the rank imports it itself (and reports the error there)
         print(f"[prefork] project modules not all preloaded: {type(e).__name__}: {e}", flush=True)
-    for name in PRELOAD:
+    _import_by_name(declared_modules())
+    _import_by_name(PRELOAD)
+
+
+def declared_modules() -> tuple[str, ...]:
+    """The project modules a job imports by a declared name, read from the declarations (no torch): every
+    stage's module (pipeline.schema.graph, ``stages.entry``) and every RL algorithm's engine module
+    (pipeline.schema.rl, ``engine.rl.registry.get``); a new stage or algorithm is preloaded with no edit here."""
+    import stages
+    from pipeline.schema import graph, rl
+
+    return (*(stages.module(s) for s in graph.STAGES), *(a.engine_module for a in rl.REGISTRY))
+
+
+def _import_by_name(names: tuple[str, ...]) -> None:
+    for name in names:
         try:
             importlib.import_module(name)
-        except Exception as e:  # an optional package: the rank imports (or skips) it itself
+        except Exception as e:  # an optional package or a broken module: the rank imports it itself
             print(f"[prefork] not preloaded: {name}: {type(e).__name__}: {e}", flush=True)
 
 
 def _import_project() -> None:
-    """The project's modules a job imports (plain imports, so the import graph shows them)."""
+    """The project modules jobs import besides the declared ones (plain imports, so the import graph shows them)."""
     import submitit.core.submission  # noqa: F401
 
     import engine.checkpoint.manager  # noqa: F401
     import engine.models.generate  # noqa: F401
-    import engine.rl.dpo  # noqa: F401
-    import engine.rl.grpo  # noqa: F401
-    import engine.rl.ppo  # noqa: F401
     import engine.rl.registry  # noqa: F401
     import engine.run  # noqa: F401
     import engine.train.steps  # noqa: F401
     import pipeline.submit.launch  # noqa: F401
-    import stages.data_prep  # noqa: F401
-    import stages.eval  # noqa: F401
-    import stages.export  # noqa: F401
-    import stages.pretrain  # noqa: F401
-    import stages.reward_model  # noqa: F401
-    import stages.rlhf  # noqa: F401
-    import stages.sft  # noqa: F401
 
 
 def _accept(
