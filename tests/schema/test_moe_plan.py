@@ -360,3 +360,26 @@ def test_plan_of_config_json_alone_counts_as_the_full_folder(
     assert [line.split(": ", 1)[1] for line in full_out if "a run will also need" in line] == [
         f"a run will also need its weights (*.safetensors) in {full}"
     ]
+
+
+def test_cheapest_change_of_an_fp32_layout_includes_bf16(tmp_path: Path) -> None:
+    """Mixtral-8x7B's config.json alone on two 8-GPU nodes with the defaults (fp32): 698 GiB per GPU; the
+    cheapest change that fits starts with bf16 (before precision was a candidate: distributed optimizer, pp 2
+    and ep 4), and fits. A stage already in bf16 is not offered a precision."""
+    folder = tmp_path / "Mixtral-8x7B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(PUBLISHED["mixtral-8x7b"]))
+    over = [f"sft.init_from=hf:{folder}", "cluster=gpu_ib", "run.stages=[sft]", "sft.parallel.nodes=2"]
+    over += ["sft.parallel.micro_batch_size=1"]
+    est = estimate_stage(compose_config(over), "sft")
+    assert est.parallel.precision == "fp32" and not est.fits and round(est.peak_bytes / GiB) == 698
+    assert est.suggestion is not None
+    fix = est.suggestion.split(" (")[0].split()  # as docs/parallel.md quotes it
+    assert fix == [
+        "sft.parallel.precision=bf16",
+        "sft.parallel.distributed_optimizer=true",
+        "sft.parallel.ep=8",
+    ] and est.suggestion.endswith("(then 74.0 GiB per GPU)")
+    assert estimate_stage(compose_config(over + fix), "sft").fits
+    bf16 = estimate_stage(compose_config([*over, "sft.parallel.precision=bf16"]), "sft")
+    assert bf16.suggestion is not None and "precision" not in bf16.suggestion
