@@ -2,7 +2,8 @@
 and step time, and warn (with the cheapest fix) when a layout does not fit in GPU memory.
 
 Composes conf/ with Hydra's compose API, validates with ``build_config`` and never imports torch, so it runs
-on a laptop. Exit status: 0 every stage fits, 1 some stage does not fit, 2 invalid configuration.
+on a laptop. A model from ``<stage>.init_from=hf:<dir>`` is planned from its config.json alone; the plan names
+what a run will also need that the directory lacks (tokenizer, weights: pipeline.schema.hf_model.RUN_FILES). Exit status: 0 every stage fits, 1 some stage does not fit, 2 invalid configuration.
 
 With ``cluster.node_mtbf_hours`` set, each stage's block ends with the expected goodput per checkpoint
 interval (Young/Daly). ``--simulate-failures`` adds a discrete-event simulation of the planned run (node
@@ -37,6 +38,7 @@ from pipeline.schema.estimates import (
     estimate_stage,
 )
 from pipeline.schema.graph import TRAIN_STAGES
+from pipeline.schema.hf_model import missing_run_files, model_ref
 from pipeline.schema.moe import expert_ffn, is_moe, moe_layers
 from pipeline.schema.params import active_param_count, config_vocab, param_count
 
@@ -108,12 +110,23 @@ def format_plan(cfg: PipelineConfig, estimates: list[StageEstimate]) -> str:
         f"assumed GPU: {p.gpu_peak_tflops:g} TFLOP/s peak, {p.gpu_memory_gb:g} GiB ({p.reserve_gb:g} GiB "
         f"reserved), MFU {p.mfu:g} (planner.*); filesystem {cfg.cluster.fs_bandwidth_gb_s:g} GB/s per node, "
         f"checksums {p.checksum_gb_s:g} GB/s per rank",
+        *_run_needs(cfg),
     ]
     if not estimates:
         lines.append("no training stage in run.stages: nothing to estimate")
     for est in estimates:
         lines += ["", *format_stage(est), "", *goodput_lines(cfg, est)]
     return "\n".join(lines)
+
+
+def _run_needs(cfg: PipelineConfig) -> list[str]:
+    """One line naming what a run from the ``hf:<dir>`` needs that is not there (the plan reads config.json)."""
+    ref = model_ref(cfg)
+    missing = missing_run_files(ref[2]) if ref else []
+    if not ref or not missing:
+        return []
+    files = " and ".join(f"its {f.what} ({f.pattern})" for f in missing)
+    return [f"planned from {ref[2] / 'config.json'} alone: a run will also need {files} in {ref[2]}"]
 
 
 def _active(cfg: PipelineConfig) -> str:

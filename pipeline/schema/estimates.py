@@ -249,7 +249,7 @@ class StageEstimate:
         )
         if self.suggestion:
             return [msg + f"the cheapest change that fits: {self.suggestion}"]
-        return [msg + "no change of layout, recompute, optimizer or up to 4x the nodes fits"]
+        return [msg + "no change of precision, layout, recompute, optimizer or up to 4x the nodes fits"]
 
 
 def capacity_bytes(cfg: PipelineConfig, plan: ParallelPlan) -> int | None:
@@ -343,19 +343,21 @@ def estimate_stage(cfg: PipelineConfig, stage: str) -> StageEstimate:
 
 # ---------------------------------------------------------------------------- the cheapest fix
 
-# Cost of each step of change, in a fixed order: distributed optimizer (no extra communication volume) <
+# Cost of each step of change, in a fixed order: bf16 from fp32 (half the bytes of weights and activations,
+# faster matmuls: the first change anyone makes) < distributed optimizer (no extra communication volume) <
 # selective recompute (a few % compute) = doubling ep (MoE: the experts over more of the same ranks, more
 # dispatch traffic) < halving the micro batch < doubling tp (inside a node) < doubling
 # pp (bubble) < full recompute (a third more compute) < doubling the GPUs (more hardware).
 _COST = {
-    "distributed_optimizer": 1,
-    "selective": 2,
-    "ep": 2,
-    "micro": 3,
-    "tp": 4,
-    "pp": 5,
-    "full": 8,
-    "gpus": 10,
+    "bf16": 1,
+    "distributed_optimizer": 2,
+    "selective": 4,
+    "ep": 4,
+    "micro": 6,
+    "tp": 8,
+    "pp": 10,
+    "full": 16,
+    "gpus": 20,
 }
 
 
@@ -368,11 +370,14 @@ def _options(
     """
     per_node = cfg.cluster.gpus_per_node or cfg.cluster.ranks_per_node
     recompute = {
-        "none": [("none", 0), ("selective", 2), ("full", 8)],
-        "selective": [("selective", 0), ("full", 8)],
+        "none": [("none", 0), ("selective", _COST["selective"]), ("full", _COST["full"])],
+        "selective": [("selective", 0), ("full", _COST["full"])],
     }
+    precision = {"fp32": [("fp32", 0), ("bf16", _COST["bf16"])]}  # never fp16 (loss scaling); 16 bits stay
+    dist_opt = [(False, 0), (True, _COST["distributed_optimizer"])]
     options: dict[str, list[tuple[Any, int]]] = {
-        "distributed_optimizer": [(True, 0)] if par.distributed_optimizer else [(False, 0), (True, 1)],
+        "precision": precision.get(par.precision, [(par.precision, 0)]),
+        "distributed_optimizer": [(True, 0)] if par.distributed_optimizer else dist_opt,
         "recompute": recompute.get(par.recompute, [("full", 0)]),
         "micro_batch_size": _halvings(par.micro_batch_size, _COST["micro"]),
         "tp": _doublings(par.tp, per_node, _COST["tp"]),
@@ -421,7 +426,8 @@ def _apply(cfg: PipelineConfig, stage: str, knobs: dict[str, Any]) -> PipelineCo
 
 
 def suggest_fix(cfg: PipelineConfig, stage: str) -> str | None:
-    """The cheapest change of the stage's layout that fits in memory, as Hydra overrides (None: none found)."""
+    """The cheapest change of the stage's precision and layout that fits in memory, as Hydra overrides (None:
+    none found)."""
     plan = check_layout(cfg, stage)
     par = cfg.stage(stage).parallel
     for knobs in _candidates(cfg, par, plan):

@@ -1,7 +1,11 @@
 """``hf:<dir>`` model references in the config: architecture and tokenizer from a Hugging Face directory.
 
-``apply(pc, origins)`` runs inside ``build_config`` (no torch; reads config.json and tokenizer.json only), so
-``python -m pipeline``, ``pipeline.schema.layout`` and every companion command see the same resolved model:
+What the plan needs is separate from what a run needs. ``apply(pc, origins)`` runs inside ``build_config`` for
+every command, the planner's included (no torch; reads config.json, and tokenizer_config.json when there for a
+chat template), so ``python -m pipeline``, ``pipeline.plan`` and ``pipeline.schema.layout`` see the same
+resolved model from config.json alone. ``RUN_FILES`` are what a run reads besides (tokenizer, weights):
+``check_run_files`` is the run's pre-flight of them (pipeline.submit.preflight), ``missing_run_files`` what the
+planner names as still needed.
 
 - every ``<stage>.init_from=hf:<dir>`` and ``eval.models`` entry ``hf:<dir>`` of the run must name the same
   directory; its config.json must describe a supported model (pipeline.schema.hf_arch), else a
@@ -11,14 +15,15 @@
   values; a shipped preset's keys (``experiment=tiny``, the model group) give way;
 - the run's tokenizer is the directory's (``data.tokenizer_path``), used as it is (no token appended): its
   tokenizer_config.json names the eos token (else it must hold the pipeline's role tokens), it fits the
-  model's vocabulary, and the run's data is rendered with the directory's own chat template
-  (``data.chat_template=tokenizer``, unless the user chose a template file).
+  model's vocabulary (both checked by the pre-flight), and the run's data is rendered with the directory's own
+  chat template (``data.chat_template=tokenizer``, unless the user chose a template file).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,25 @@ from pipeline.schema.origins import HF, Origin, Origins
 
 ROLE_TOKENS = ("<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>")
 """The special tokens data_prep and the engine use (engine.data.datasets.SPECIAL_TOKENS)."""
+
+
+@dataclass(frozen=True)
+class RunFile:
+    """Files of an ``hf:<dir>`` that a run reads and the plan does not: ``pattern`` (a glob) in the directory."""
+
+    what: str
+    pattern: str
+    why: str
+
+    def present(self, hf_dir: Path) -> bool:
+        return any(hf_dir.glob(self.pattern))
+
+
+RUN_FILES = (
+    RunFile("tokenizer", "tokenizer.json", "the run uses the model's own tokenizer"),
+    RunFile("weights", "*.safetensors", "the run starts from the model's weights"),
+)
+"""What a run reads from its ``hf:<dir>`` besides config.json (the planner reads config.json alone)."""
 
 
 def refs(pc: PipelineConfig) -> dict[str, str]:
@@ -45,21 +69,31 @@ def refs(pc: PipelineConfig) -> dict[str, str]:
     return out
 
 
-def apply(pc: PipelineConfig, origins: Origins) -> tuple[PipelineConfig, Origins]:
-    """``pc`` with model and tokenizer taken from its ``hf:`` reference (unchanged without one), and the origins
-    of the values taken from the directory."""
-    from pipeline.schema.hf_arch import HFConfigError, arch_values, read_config
-
+def model_ref(pc: PipelineConfig) -> tuple[str, str, Path] | None:
+    """(config key, ``hf:<dir>`` value, resolved directory) of the model the run starts from (None: none);
+    two different directories are a config error."""
     found = refs(pc)
     if not found:
-        return pc, origins
+        return None
     dirs = {Path(v[3:]).expanduser().resolve() for v in found.values()}
     key, value = next(iter(found.items()))
     if len(dirs) > 1:
         raise ConfigError(
             f"{key}={value!r}: a run starts from one Hugging Face model, got {sorted(found.values())}"
         )
-    hf_dir = dirs.pop()
+    return key, value, dirs.pop()
+
+
+def apply(pc: PipelineConfig, origins: Origins) -> tuple[PipelineConfig, Origins]:
+    """``pc`` with model and tokenizer taken from its ``hf:`` reference (unchanged without one), and the origins
+    of the values taken from the directory. Reads config.json alone: what a run also needs is the pre-flight's
+    (``check_run_files``)."""
+    from pipeline.schema.hf_arch import HFConfigError, arch_values, read_config
+
+    ref = model_ref(pc)
+    if ref is None:
+        return pc, origins
+    key, value, hf_dir = ref
     if not hf_dir.is_dir():
         raise ConfigError(f"{key}={value!r}: {missing(Path(value[3:]).expanduser(), 'directory')}")
     config_json = hf_dir / "config.json"
@@ -97,9 +131,29 @@ def apply(pc: PipelineConfig, origins: Origins) -> tuple[PipelineConfig, Origins
     ):
         data = dataclasses.replace(data, chat_template="tokenizer")
         taken["data.chat_template"] = str(hf_dir)
-    check_tokenizer(hf_dir, model, key, value, needs_roles=data.chat_template == "project")
     new = {k: Origin(HF, where, choice=f"{key}={value}") for k, where in taken.items()}
     return dataclasses.replace(pc, model=model, data=data), origins.updated(new)
+
+
+def missing_run_files(hf_dir: Path) -> list[RunFile]:
+    """The RUN_FILES not in ``hf_dir``: what a run from it still needs (the planner names them)."""
+    return [f for f in RUN_FILES if not f.present(hf_dir)]
+
+
+def check_run_files(pc: PipelineConfig) -> None:
+    """The run's pre-flight of its ``hf:<dir>`` (nothing without one): every RUN_FILES file is there and the
+    tokenizer fits the model (``check_tokenizer``); a config error names each missing file."""
+    ref = model_ref(pc)
+    if ref is None:
+        return
+    key, value, hf_dir = ref
+    missing_files = missing_run_files(hf_dir)
+    if missing_files:
+        raise ConfigError(
+            f"{key}={value!r}: "
+            + "; ".join(f"{hf_dir / f.pattern}: no such file ({f.why})" for f in missing_files)
+        )
+    check_tokenizer(hf_dir, pc.model, key, value, needs_roles=pc.data.chat_template == "project")
 
 
 def _has_chat_template(hf_dir: Path) -> bool:
@@ -121,13 +175,12 @@ def _special_token(hf_dir: Path, name: str) -> str | None:
 
 
 def check_tokenizer(hf_dir: Path, model: ModelConfig, key: str, value: str, needs_roles: bool = False) -> int:
-    """The directory's tokenizer.json: loadable, its eos (and pad) token in its vocabulary, every id within
-    the model's vocabulary; with ``needs_roles`` (the project template) also the pipeline's role tokens."""
+    """The directory's tokenizer.json (there: ``check_run_files``): loadable, its eos (and pad) token in its
+    vocabulary, every id within the model's vocabulary; with ``needs_roles`` (the project template) also the
+    pipeline's role tokens."""
     from tokenizers import Tokenizer
 
     path = hf_dir / "tokenizer.json"
-    if not path.is_file():
-        raise ConfigError(f"{key}={value!r}: {path}: no such file (the run uses the model's own tokenizer)")
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a plain Exception

@@ -1,7 +1,8 @@
 """``<stage>.init_from=hf:<dir>``: the architecture and tokenizer come from the directory, before any job.
 
-A contradicting override, an unsupported field and a tokenizer that does not fit the model are config errors
-naming the values; the planner plans from config.json alone.
+A contradicting override and an unsupported field are config errors naming the values; the run's pre-flight
+refuses a tokenizer that does not fit the model and a directory without the tokenizer or the weights (naming
+the files), while the planner plans from config.json alone.
 """
 
 from __future__ import annotations
@@ -74,8 +75,36 @@ def test_unsupported_field_fails_naming_it(llama: Path, tmp_path: Path) -> None:
 
 def test_tokenizer_larger_than_model_vocab_is_an_error(tmp_path: Path) -> None:
     small = make("llama3", tmp_path / "small", vocab_size=300)
+    over = [f"sft.init_from=hf:{small}", "run.stages=[sft]", f"run.root={tmp_path / 'runs'}"]
     with pytest.raises(ConfigError, match=r"tokenizer vocabulary 30\d .* exceeds the model's vocab_size 300"):
-        load_config([f"sft.init_from=hf:{small}", "run.stages=[sft]"])
+        load(over, inputs=True)  # the run's pre-flight
+    assert load_config(over).model.vocab_size == 300  # the plan reads config.json alone
+
+
+def test_run_preflight_refuses_a_folder_without_tokenizer_or_weights(
+    llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m pipeline`` of config.json alone: one config error naming each missing file, nothing
+    written; with the tokenizer files added, only the weights."""
+    from pipeline.__main__ import main
+
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((llama / "config.json").read_bytes())
+    over = [f"sft.init_from=hf:{folder}", "run.stages=[data_prep,sft]", f"run.root={tmp_path / 'runs'}"]
+    assert main(over) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        f"config error: sft.init_from='hf:{folder}': {folder / 'tokenizer.json'}: no such file"
+    )
+    assert f"{folder / '*.safetensors'}: no such file (the run starts from the model's weights)" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "runs").exists()
+    for f in llama.iterdir():  # the tokenizer files (and generation_config.json), not the weights
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    assert main(over) == 2
+    err = capsys.readouterr().err
+    assert "*.safetensors: no such file" in err and "tokenizer.json" not in err
 
 
 def test_planner_plans_from_config_json(llama: Path) -> None:

@@ -22,7 +22,7 @@ from pipeline.schema.config import ModelConfig
 from pipeline.schema.estimates import GiB, estimate_stage, rank_memory, step_flops
 from pipeline.schema.hf_arch import arch_values
 from pipeline.schema.moe_sizes import dispatch_bytes, expert_params, rank_layers
-from pipeline.schema.params import active_param_count, param_count, rank_param_split
+from pipeline.schema.params import active_param_count, config_vocab, param_count, rank_param_split
 from pipeline.schema.sections import ParallelConfig
 from tests.support.env import REPO
 from tests.support.timing import scaled
@@ -305,3 +305,81 @@ def test_a_moe_layout_that_does_not_fit_suggests_more_expert_parallelism() -> No
     assert not est.fits and est.suggestion is not None and "sft.parallel.ep=" in est.suggestion
     fix = est.suggestion.split(" (")[0].split()
     assert estimate_stage(compose_config(over + fix), "sft").fits
+
+
+# ---------------------------------------------------------------------------- a folder holding config.json alone
+
+
+def _small(name: str, **fields: Any) -> dict[str, Any]:
+    """``name``'s published config.json, every field kept, at laptop sizes (2 layers, hidden 64, 4 experts,
+    top-2)."""
+    shape = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    return {**PUBLISHED[name], **shape, "num_experts_per_tok": 2, "vocab_size": 323, **fields}
+
+
+SMALL_MOE = {
+    "Mixtral": _small("mixtral-8x7b", intermediate_size=32, num_local_experts=4),
+    "Qwen3-MoE": _small(
+        "qwen3-30b-a3b", head_dim=24, intermediate_size=96, moe_intermediate_size=32, num_experts=4
+    ),
+}
+
+
+def _plan(folder: Path, capsys: pytest.CaptureFixture[str]) -> tuple[list[str], tuple[int, int]]:
+    """The printed plan of ``sft.init_from=hf:<folder>`` (it fits) and (total, active) parameters."""
+    over = [f"sft.init_from=hf:{folder}", "run.stages=[sft]"]
+    assert main(over) == 0
+    cfg = compose_config(over)
+    counts = (param_count(cfg.model, config_vocab(cfg)), active_param_count(cfg.model, config_vocab(cfg)))
+    return capsys.readouterr().out.splitlines(), counts
+
+
+@pytest.mark.parametrize("family", sorted(SMALL_MOE))
+def test_plan_of_config_json_alone_counts_as_the_full_folder(
+    family: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder holding config.json alone plans and names what a run will also need; its total and active
+    parameters (and the whole model line) are those of the same config.json with the tokenizer files."""
+    from tests.support.hf_models import make_tokenizer
+
+    alone, full = tmp_path / "alone" / family, tmp_path / "full" / family
+    for folder in (alone, full):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(SMALL_MOE[family]))
+    assert make_tokenizer(full) <= SMALL_MOE[family]["vocab_size"]
+    out, counts = _plan(alone, capsys)
+    full_out, full_counts = _plan(full, capsys)
+    assert counts == full_counts and 0 < counts[1] < counts[0]
+    assert out[0] == full_out[0] and f"{counts[0]:,} parameters" in out[0]
+    assert f"{counts[1]:,} active per token" in out[0] and "top-2 of 4 experts of width 32" in out[0]
+    need = [line for line in out if "a run will also need" in line]
+    assert need == [
+        f"planned from {alone / 'config.json'} alone: a run will also need its tokenizer (tokenizer.json) "
+        f"and its weights (*.safetensors) in {alone}"
+    ]
+    assert [line.split(": ", 1)[1] for line in full_out if "a run will also need" in line] == [
+        f"a run will also need its weights (*.safetensors) in {full}"
+    ]
+
+
+def test_cheapest_change_of_an_fp32_layout_includes_bf16(tmp_path: Path) -> None:
+    """Mixtral-8x7B's config.json alone on two 8-GPU nodes with the defaults (fp32): 698 GiB per GPU; the
+    cheapest change that fits starts with bf16 (before precision was a candidate: distributed optimizer, pp 2
+    and ep 4), and fits. A stage already in bf16 is not offered a precision."""
+    folder = tmp_path / "Mixtral-8x7B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(PUBLISHED["mixtral-8x7b"]))
+    over = [f"sft.init_from=hf:{folder}", "cluster=gpu_ib", "run.stages=[sft]", "sft.parallel.nodes=2"]
+    over += ["sft.parallel.micro_batch_size=1"]
+    est = estimate_stage(compose_config(over), "sft")
+    assert est.parallel.precision == "fp32" and not est.fits and round(est.peak_bytes / GiB) == 698
+    assert est.suggestion is not None
+    fix = est.suggestion.split(" (")[0].split()  # as docs/parallel.md quotes it
+    assert fix == [
+        "sft.parallel.precision=bf16",
+        "sft.parallel.distributed_optimizer=true",
+        "sft.parallel.ep=8",
+    ] and est.suggestion.endswith("(then 74.0 GiB per GPU)")
+    assert estimate_stage(compose_config(over + fix), "sft").fits
+    bf16 = estimate_stage(compose_config([*over, "sft.parallel.precision=bf16"]), "sft")
+    assert bf16.suggestion is not None and "precision" not in bf16.suggestion

@@ -280,6 +280,19 @@ def test_layout_that_does_not_fit_warns_with_a_suggestion_that_fits() -> None:
     assert estimate_stage(compose_config(overrides + fix), "pretrain").fits
 
 
+def test_bf16_is_the_cheapest_change_of_an_fp32_layout_when_it_fits() -> None:
+    """fp32 with activations over the GPU (123 GiB): bf16 alone halves them and fits (73 GiB), cheaper than
+    selective recompute, which the search proposed before precision was a candidate."""
+    overrides = ["model=llama3.2-1b", "model.seq_length=2048", "cluster=gpu_ib", "run.stages=[pretrain]"]
+    overrides += ["pretrain.parallel.nodes=1", "pretrain.parallel.micro_batch_size=4"]
+    overrides += ["pretrain.parallel.global_batch_size=64"]
+    est = estimate_stage(compose_config(overrides), "pretrain")
+    assert est.parallel.precision == "fp32" and not est.fits
+    assert est.suggestion is not None and est.suggestion.startswith("pretrain.parallel.precision=bf16 (then ")
+    fixed = estimate_stage(compose_config([*overrides, "pretrain.parallel.precision=bf16"]), "pretrain")
+    assert fixed.fits and est.suggestion.endswith(f"(then {fixed.peak_bytes / GiB:.1f} GiB per GPU)")
+
+
 def test_cli_exit_status_and_warning_when_it_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     from pipeline.cli.plan import main
 

@@ -107,7 +107,7 @@ def test_no_template_and_no_role_tokens_is_a_config_error(llama: Path, tmp_path:
     (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
     (bare / "chat_template.jinja").unlink(missing_ok=True)
     with pytest.raises(ConfigError, match=r"has no chat_template .* lacks the pipeline's role tokens"):
-        load([f"sft.init_from=hf:{bare}", "run.stages=[data_prep,sft]"], inputs=False)
+        load([f"sft.init_from=hf:{bare}", "run.stages=[data_prep,sft]", f"run.root={tmp_path}"], inputs=True)
 
 
 @pytest.fixture(scope="module")

@@ -48,14 +48,9 @@ def _init_from(cfg: PipelineConfig, stage: str) -> None:
 
 
 def _hf_init_from(cfg: PipelineConfig, stage: str, value: str) -> None:
-    """``hf:<dir>``: a Hugging Face model directory (its config.json was already read by pipeline.schema.hf_model)."""
-    from pipeline.schema.hf_arch import is_hf_dir, parse_ref
-
-    path = parse_ref(value)
-    if path is None or not is_hf_dir(path):
-        fail(
-            f"{stage}.init_from", value, f"{path}: needs config.json and *.safetensors (a Hugging Face model)"
-        )
+    """``hf:<dir>``: a Hugging Face model directory. Its config.json was read by pipeline.schema.hf_model.apply,
+    and what a run reads besides (tokenizer, weights) was checked once for the whole run, before the stages'
+    checks (preflight: hf_model.check_run_files): nothing is left to check here."""
 
 
 INIT_FROM_SCHEMES["hf"] = _hf_init_from
