@@ -315,6 +315,8 @@ def run_stage(
     from pipeline.submit.injob import INJOB_ENV, LEFT_ENV
 
     cfg = from_dict(cfg_dict)
+    if cfg.cluster.executor != "debug":  # started with Ctrl-C ignored (pipeline.submit.interrupt): heed it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     dist, job_id = _job_environment(cfg.cluster.executor, master_port)
     export_job_env(os.environ, dist)
     rank, world = dist.rank, dist.world_size
@@ -459,7 +461,7 @@ def _record_failure(
     """Ledger entry for a stage that did not complete: stopped on a signal, requeued, restarted inside the job
     (``injob_left``: in-job restarts left; pipeline/submit/injob.py starts the ranks again), or failed."""
     from engine.runtime.health import NodesExcluded
-    from engine.runtime.signals import Preempted
+    from engine.runtime.signals import Interrupted, Preempted
 
     err = f"{type(e).__name__}: {e}"
     rec = ledger.read(stage)
@@ -467,6 +469,12 @@ def _record_failure(
         ledger.event("stopped", stage, error=err, reason="cancelled")
         return
     ledger.add_failure(stage, classify(from_exception(e)), "job")
+    if isinstance(e, Interrupted | KeyboardInterrupt):  # Ctrl-C: stop here, never requeue; a re-run resumes
+        step = e.step if isinstance(e, Interrupted) else None
+        extra = {**(rec.extra if rec else {}), "stopped_at_step": step}
+        ledger.update(stage, status=STOPPED, ended_at=time.time(), error=err, extra=extra)
+        ledger.event("stopped", stage, error=err, reason="interrupted", step=step)
+        return
     if isinstance(e, NodesExcluded):
         _requeue_without(ledger, stage, cfg, e.nodes, err)
         return
