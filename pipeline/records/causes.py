@@ -183,7 +183,9 @@ def interrupted(ev: Evidence) -> str | None:
     if "Interrupted" in ev.names:
         return ev.message or "stopped on Ctrl-C after a checkpoint"
     if "KeyboardInterrupt" in ev.names:
-        return "Ctrl-C before training started (nothing to save)"
+        return (
+            "KeyboardInterrupt: Ctrl-C where the stage takes no checkpoint (start-up, or a stage without any)"
+        )
     if ev.killed_by == signal.SIGINT:
         return "stopped at once on Ctrl-C (a second press, or no save within cluster.interrupt_grace_s)"
     return _line(ev.log, r"\bInterrupted: Ctrl-C")  # a rank's last line when only its log is read

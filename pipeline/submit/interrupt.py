@@ -103,7 +103,7 @@ def kill_job(controller: int) -> None:
 def saved_line(label: str, step: int | None) -> str:
     """The line after the stage ended by itself on the first press."""
     if step is None:
-        return f"[{label}] stopped on Ctrl-C before a new checkpoint; run the same command again to continue"
+        return f"[{label}] stopped on Ctrl-C (nothing new to save); run the same command again to continue"
     return f"[{label}] stopped on Ctrl-C: checkpoint saved at step {step}; run the same command again to continue"
 
 

@@ -193,8 +193,8 @@ def _run_one_local(
             job.results()
         else:
             killed = interrupt.follow(job, follower.poll, presses, grace_s, POLL_S)
-            if not killed:  # (submitit waits for the result file of a killed job: there is none)
-                job.results()
+            if not presses.count:  # after Ctrl-C the ledger tells (a killed or interrupted job may leave no
+                job.results()  # result file, which submitit waits seconds for)
     except Exception as e:
         if presses.count:
             raise _interrupted(ledger, stage, label, presses, killed, grace_s) from None
