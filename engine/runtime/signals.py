@@ -69,6 +69,8 @@ class StopFlag:
 
     def uninstall(self) -> None:
         for sig, prev in self._previous.items():
+            if sig == signal.SIGINT and self.signum == sig:  # Ctrl-C heeded: its repeats (the command resends
+                prev = signal.SIG_IGN  # it until the job ends) must not cut the recording of the stop
             signal.signal(sig, prev)  # type: ignore[arg-type]
         self._previous.clear()
 

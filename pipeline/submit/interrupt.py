@@ -7,8 +7,9 @@ the terminal; each rank heeds it again at the job entry point (pipeline.submit.l
 training stage treats it as a stop request: it saves at its next step boundary (the preemption path) and
 exits (engine.runtime.signals.Interrupted).
 
-The command counts the presses (``Presses``): on the first it stops following the metrics and waits for the
-job to end; a second press, or ``cluster.interrupt_grace_s`` seconds without an end, kills the job's
+The command counts the presses (``Presses``): on the first it stops following the metrics, sends SIGINT to the
+job's tasks every ``RESEND_S`` (a rank still starting up heeds a later one; a ``kill -INT`` of the command alone
+reaches the ranks so) and waits for the job to end; a second press, or ``cluster.interrupt_grace_s`` seconds without an end, kills the job's
 processes at once (``kill_job``: checkpoints are atomic, so the last complete one is what a re-run resumes).
 Either way ``Stopped`` carries the one line the command prints before it exits ``EXIT_INTERRUPTED``.
 """
@@ -71,17 +72,38 @@ def ignoring_sigint() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+RESEND_S = 1.0
+"""After the first press, how often the command sends SIGINT to the job's tasks again until the job ends: a
+rank still starting up ignores it (``ignoring_sigint``) and heeds the next one; repeats are harmless."""
+
+
 def follow(job: Any, poll: Callable[[], None], presses: Presses, grace_s: float, poll_s: float) -> bool:
-    """Wait for a local ``job`` to end, calling ``poll`` (its metrics) until the first press. A second press or
-    ``grace_s`` after the first kills the job's processes. Returns True when it killed them."""
+    """Wait for a local ``job`` to end, calling ``poll`` (its metrics) until the first press, then resending
+    SIGINT to its tasks. A second press or ``grace_s`` after the first kills the job's processes. Returns True
+    when it killed them."""
+    sent = -RESEND_S
     while not job.done():
         if not presses.count:
             poll()
         elif presses.past_grace(grace_s):
             kill_job(int(job.job_id))
             return True
+        elif time.monotonic() - sent >= RESEND_S:
+            send_to_tasks(int(job.job_id), signal.SIGINT)
+            sent = time.monotonic()
         time.sleep(poll_s)
     return False
+
+
+def send_to_tasks(controller: int, sig: int) -> None:
+    """``sig`` to a local job's tasks: the ranks, or their prefork relays (which forward it to their ranks).
+    Only those: a rank's own helpers (data workers, checkpoint writers) take no Ctrl-C of their own."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for p in psutil.Process(controller).children():
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
 
 
 def kill_job(controller: int) -> None:

@@ -316,7 +316,7 @@ def run_stage(
 
     cfg = from_dict(cfg_dict)
     if cfg.cluster.executor != "debug":  # started with Ctrl-C ignored (pipeline.submit.interrupt): heed it
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, _interrupt_once)
     dist, job_id = _job_environment(cfg.cluster.executor, master_port)
     export_job_env(os.environ, dist)
     rank, world = dist.rank, dist.world_size
@@ -342,6 +342,8 @@ def run_stage(
             part=part,
         )
         out = _call_stage(stage, cfg, ctx)
+        if cfg.cluster.executor != "debug":  # done: a late Ctrl-C must not cut the recording of it
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     except BaseException as e:
         if rank == 0:
             forward_alarms(ledger, stage)
@@ -370,6 +372,13 @@ def run_stage(
             ledger.event(str(ev["event"]), stage, **{k: v for k, v in ev.items() if k != "event"})
         ledger.event("completed", stage)
     return out
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """Ctrl-C outside a training loop (start-up, a stage without checkpoints): KeyboardInterrupt once; its
+    repeats (the command resends it until the job ends) are ignored while the stop is recorded."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _is_preempted(e: BaseException) -> bool:

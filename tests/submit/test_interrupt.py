@@ -75,6 +75,24 @@ def test_ctrl_c_is_counted_and_processes_started_meanwhile_ignore_it() -> None:
     assert presses.past_grace(60)  # a second press: at once
 
 
+def test_ctrl_c_is_sent_again_until_a_rank_still_starting_up_heeds_it() -> None:
+    # the rank ignores SIGINT at first (inherited), then heeds it (exit 7) as run_stage does; its controller
+    # stand-in passes its exit code on
+    rank = "import signal, sys, time; time.sleep(0.3); signal.signal(signal.SIGINT, lambda *_: sys.exit(7)); time.sleep(600)"
+    controller = f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', {rank!r}]))"
+    with interrupt.ignoring_sigint():
+        job = StandInJob(subprocess.Popen([sys.executable, "-c", controller]))
+    try:
+        wait_for("the stand-in rank", lambda: psutil.Process(job.process.pid).children())
+        presses = interrupt.Presses()
+        presses.press(signal.SIGINT, None)
+        assert not interrupt.follow(job, lambda: None, presses, grace_s=scaled(30), poll_s=0.01)
+        assert job.process.wait(timeout=scaled(10)) == 7
+    finally:
+        interrupt.kill_job(job.process.pid)
+        job.process.wait()
+
+
 def test_a_job_still_running_after_the_grace_period_is_killed_whole() -> None:
     job = StandInJob(subprocess.Popen(PARENT))
     rank: list[psutil.Process] = []
