@@ -210,7 +210,7 @@ def build_stage(
     watchdog = Watchdog(st.hang_timeout_s, may_requeue=requeue_on_hang, on_hang=ctx.on_hang).start()
     vpp = plan.vpp if plan else par.vpp
     D.init(par.tp, par.pp, vpp, ep=par.ep, etp=par.etp, seed=st.seed, threads=st.threads, env=ctx.dist)
-    faults = FaultInjector(ctx.out_dir, D.rank(), ctx.faults)
+    faults = FaultInjector(ctx.out_dir, D.rank(), ctx.faults, released=lambda: stop_flag.requested)
     cleanup.callback(_shutdown, watchdog, stop_flag)
     set_verify_mode(st.checkpoint_verify)
     marks["init"] = time.time()

@@ -3,7 +3,7 @@
 Every trial of a sweep (``-m``) is composed, validated and pre-flighted before the first one runs; each runs
 in its own deterministic run directory. Exit codes (``--help``, README): 0 ok, 1 a stage failed,
 2 configuration error (nothing written), 3 submission failed, 4 a selected stage
-runs in another local job (not followed: re-run when it has ended).
+runs in another local job (not followed: re-run when it has ended), 130 stopped on Ctrl-C (the work kept).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 
 from pipeline.cli.compose import (
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_SUBMIT,
     HYDRA_FLAGS,
     config_dir_overrides,
@@ -25,6 +26,14 @@ from pipeline.schema.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C outside the local executor's loop (which keeps the work itself)
+        print("stopped on Ctrl-C; run the same command again to continue", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in args):
         print(help_text())
@@ -61,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         if multirun:
             print(f"[sweep] trial {i} of {len(runs)}: {' '.join(trial)}", flush=True)
         codes.append(_execute(cfg))
+        if codes[-1] == EXIT_INTERRUPTED:  # Ctrl-C stops the sweep too
+            break
     roots = {cfg.run.root for _, cfg in runs}
     if multirun and len(runs) > 1 and len(roots) == 1:  # one report across the sweep's run directories
         from pipeline.submit.orchestrate import write_sweep_report
@@ -70,10 +81,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _execute(cfg: object) -> int:
+    from pipeline.submit.interrupt import Stopped
     from pipeline.submit.orchestrate import RunError, SubmitError, execute
 
     try:
         return execute(cfg)  # type: ignore[arg-type]
+    except Stopped as e:  # Ctrl-C: the one line (what stopped, what was kept, how to go on)
+        print(e, file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ConfigError as e:
         return report(e)
     except SubmitError as e:

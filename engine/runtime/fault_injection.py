@@ -3,7 +3,8 @@
 Set ``PIPELINE_FAULT`` (read once by the job entry point, pipeline.submit.launch, and handed down as
 ``StageContext.faults``) to one or more comma-separated specs ``<action>@<phase>:<step>[/rank=<r>]``:
 
-- action: ``kill`` (SIGKILL this process), ``hang`` (stop making progress forever), ``raise`` (an exception),
+- action: ``kill`` (SIGKILL this process), ``hang`` (stop making progress forever), ``hold`` (stop making
+  progress until a stop request arrives, then go on: a run held at a known step for a signal), ``raise`` (an exception),
   ``nan`` (the step's loss becomes NaN), ``term`` / ``usr1`` / ``usr2`` (send that signal to this process).
 - phase: ``step`` (before optimizer step <step>, 1-based), ``ckpt_write`` (inside the checkpoint save of
   iteration <step>, after files are written and before the commit), ``ckpt_commit`` (after the commit,
@@ -21,11 +22,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "PIPELINE_FAULT"
-ACTIONS = ("kill", "hang", "raise", "nan", "term", "usr1", "usr2")
+ACTIONS = ("kill", "hang", "hold", "raise", "nan", "term", "usr1", "usr2")
 PHASES = ("step", "ckpt_write", "ckpt_commit")
 SIGNALS = {"term": signal.SIGTERM, "usr1": signal.SIGUSR1, "usr2": signal.SIGUSR2}
 
@@ -73,10 +75,13 @@ def parse(text: str) -> list[FaultSpec]:
 class FaultInjector:
     """Fires the configured faults at their phase and step, once each per stage directory."""
 
-    def __init__(self, state_dir: Path, rank: int, text: str = "") -> None:
+    def __init__(
+        self, state_dir: Path, rank: int, text: str = "", released: Callable[[], bool] = lambda: False
+    ) -> None:
         self.specs = parse(text)
         self.state_dir = Path(state_dir) / ".faults"
         self.rank = rank
+        self.released = released  # ends a ``hold`` (the stage's stop flag: a signal arrived)
 
     def __bool__(self) -> bool:
         return bool(self.specs)
@@ -106,6 +111,10 @@ class FaultInjector:
         if spec.action == "hang":
             while True:
                 time.sleep(3600)
+        if spec.action == "hold":
+            while not self.released():
+                time.sleep(0.05)
+            return None
         if spec.action == "raise":
             raise InjectedFault(f"injected by {ENV}: {spec.key}")
         if spec.action in SIGNALS:

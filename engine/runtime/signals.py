@@ -1,7 +1,8 @@
 """Signals have one owner: handlers only set a flag; the training loop saves at a step boundary.
 
 ``StopFlag.install()`` replaces submitit's USR2 handler (which checkpoints inside the handler on rank 0
-only and ignores SIGTERM) for SIGUSR1, SIGUSR2 and SIGTERM. The loop all-reduces the flag every step
+only and ignores SIGTERM) for SIGUSR1, SIGUSR2, SIGTERM and SIGINT (Ctrl-C: the same save, then the run stops
+instead of being requeued: ``Interrupted``). The loop all-reduces the flag every step
 (``distributed.any_rank``) so every rank stops at the same step, saves collectively, and rank 0 asks
 SLURM to requeue the job (``requeue_self``).
 
@@ -24,15 +25,34 @@ from types import FrameType
 from pipeline.records.causes import HANG_EXIT_CODE  # noqa: F401  (exit code of a rank the watchdog found hung)
 from pipeline.slurm.job_env import requeue_self
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 
 
 class Preempted(RuntimeError):
     """Raised by the loop after it saved on a stop signal; the job runner records it and requeues."""
 
 
+class Interrupted(Preempted):
+    """Raised by the loop after it saved on SIGINT (Ctrl-C): the stage stops there, never requeued; the same
+    command resumes it. Its only argument is the step saved (so it pickles back as it was)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+    def __str__(self) -> str:
+        return f"Ctrl-C (SIGINT) at step {self.step}; checkpoint saved"
+
+
+def stopped(signum: int | None, step: int) -> Preempted:
+    """What the loop raises once it saved at ``step`` on ``signum``: Ctrl-C stops the run, the others requeue."""
+    if signum == signal.SIGINT:
+        return Interrupted(step)
+    return Preempted(f"signal {signum} at step {step}; checkpoint saved")
+
+
 class StopFlag:
-    """Set by SIGUSR1/SIGUSR2/SIGTERM; read by the loop at step boundaries."""
+    """Set by SIGUSR1/SIGUSR2/SIGTERM/SIGINT; read by the loop at step boundaries."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -49,11 +69,14 @@ class StopFlag:
 
     def uninstall(self) -> None:
         for sig, prev in self._previous.items():
+            if sig == signal.SIGINT and self.signum == sig:  # Ctrl-C heeded: its repeats (the command resends
+                prev = signal.SIG_IGN  # it until the job ends) must not cut the recording of the stop
             signal.signal(sig, prev)  # type: ignore[arg-type]
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.signum = signum
+        if self.signum != signal.SIGINT:  # Ctrl-C, once seen, decides: stop, not requeue
+            self.signum = signum
 
     @property
     def requested(self) -> bool:

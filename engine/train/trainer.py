@@ -27,7 +27,7 @@ from engine.models.moe import RoutingStats
 from engine.runtime import distributed as D
 from engine.runtime.fault_injection import FaultInjector
 from engine.runtime.health import NodesExcluded
-from engine.runtime.signals import Preempted, StopFlag, Watchdog
+from engine.runtime.signals import StopFlag, Watchdog, stopped
 from engine.runtime.stragglers import StragglerMonitor, Verdict
 from engine.train.bad_steps import BadStepError, BadStepGuard, reason_code, reason_from_code
 from engine.train.callback import Callbacks
@@ -444,7 +444,7 @@ class Trainer:
                 {"kind": "info", "message": f"stopped at step {self.iteration} (signal {signum}), saved"}
             )
             self.callbacks.emit("on_stop", self.iteration, {"signal": signum})
-            raise Preempted(f"signal {signum} at step {self.iteration}; checkpoint saved")
+            raise stopped(signum, self.iteration)
         valid = (
             self._write_valid(self.iteration)
             if self.iteration == st.iters and self.iteration > self._start

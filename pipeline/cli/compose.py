@@ -26,6 +26,7 @@ from pipeline.schema.config import PipelineConfig
 from pipeline.schema.domains import domain_of
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.origins import YAML_HINTS, Origins, key_lines, leaves, line_key, package_header, shown
+from pipeline.submit.interrupt import EXIT_INTERRUPTED
 from pipeline.submit.preflight import preflight
 
 EXIT_OK = 0
@@ -40,6 +41,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_CONFIG: "configuration error: a bad key, value, group option, override or input file; nothing written",
     EXIT_SUBMIT: "submission failed: no sbatch, SLURM controller unreachable, or sbatch rejected the job",
     EXIT_BUSY: "a selected stage runs in another local job (not followed): re-run when it has ended",
+    EXIT_INTERRUPTED: "stopped on Ctrl-C, the work kept (a checkpoint at the next step): re-run to continue",
 }
 
 COMMANDS: tuple[tuple[str, str], ...] = (

@@ -25,6 +25,7 @@ CAUSES = (
     "bad_step",
     "node_failure",
     "preemption",
+    "interrupted",
     "time_limit",
     "storage",
     "communication",
@@ -176,6 +177,20 @@ def preempted(ev: Evidence) -> str | None:
     return _line(ev.log, r"DUE TO PREEMPTION")
 
 
+@rule("interrupted", 5)
+def interrupted(ev: Evidence) -> str | None:
+    """Ctrl-C (SIGINT): the run was stopped on purpose, saved at a step boundary or not (the same command resumes)."""
+    if "Interrupted" in ev.names:
+        return ev.message or "stopped on Ctrl-C after a checkpoint"
+    if "KeyboardInterrupt" in ev.names:
+        return (
+            "KeyboardInterrupt: Ctrl-C where the stage takes no checkpoint (start-up, or a stage without any)"
+        )
+    if ev.killed_by == signal.SIGINT:
+        return "stopped at once on Ctrl-C (a second press, or no save within cluster.interrupt_grace_s)"
+    return _line(ev.log, r"\bInterrupted: Ctrl-C")  # a rank's last line when only its log is read
+
+
 @rule("hang", 20)
 def watchdog_hang(ev: Evidence) -> str | None:
     if ev.exit_code == HANG_EXIT_CODE:
@@ -259,7 +274,7 @@ def exception_in_code(ev: Evidence) -> str | None:
 @rule("preemption", 80)
 def killed_by_stop_signal(ev: Evidence) -> str | None:
     sig = ev.killed_by
-    if sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
+    if sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         return f"killed by {_signame(sig)} before it could save (a stop request)"
     return None
 

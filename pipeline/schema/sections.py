@@ -227,6 +227,8 @@ class ClusterConfig:
     """local executor: fork each rank from one process that imported torch and megatron.core once per command (pipeline.submit.prefork), instead of a fresh interpreter per job; false: a fresh interpreter per rank."""
     prefork_socket: str | None = None
     """local executor with prefork: the socket of a prefork server that is already running, used instead of starting one (a search's controller shares its own with every trial: pipeline.search.trials); None: the command starts its own."""
+    interrupt_grace_s: float = num(120.0, ge=0)
+    """local executor: after Ctrl-C, seconds the command waits for the running stage to save a checkpoint at its next step boundary and exit; past them, or on a second Ctrl-C, it ends the stage's processes at once (the same command resumes from the last complete checkpoint)."""
     partition: str | None = None
     """SLURM partition."""
     account: str | None = None

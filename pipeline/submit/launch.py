@@ -315,6 +315,8 @@ def run_stage(
     from pipeline.submit.injob import INJOB_ENV, LEFT_ENV
 
     cfg = from_dict(cfg_dict)
+    if cfg.cluster.executor != "debug":  # started with Ctrl-C ignored (pipeline.submit.interrupt): heed it
+        signal.signal(signal.SIGINT, _interrupt_once)
     dist, job_id = _job_environment(cfg.cluster.executor, master_port)
     export_job_env(os.environ, dist)
     rank, world = dist.rank, dist.world_size
@@ -340,6 +342,8 @@ def run_stage(
             part=part,
         )
         out = _call_stage(stage, cfg, ctx)
+        if cfg.cluster.executor != "debug":  # done: a late Ctrl-C must not cut the recording of it
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     except BaseException as e:
         if rank == 0:
             forward_alarms(ledger, stage)
@@ -368,6 +372,13 @@ def run_stage(
             ledger.event(str(ev["event"]), stage, **{k: v for k, v in ev.items() if k != "event"})
         ledger.event("completed", stage)
     return out
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """Ctrl-C outside a training loop (start-up, a stage without checkpoints): KeyboardInterrupt once; its
+    repeats (the command resends it until the job ends) are ignored while the stop is recorded."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _is_preempted(e: BaseException) -> bool:
@@ -459,7 +470,7 @@ def _record_failure(
     """Ledger entry for a stage that did not complete: stopped on a signal, requeued, restarted inside the job
     (``injob_left``: in-job restarts left; pipeline/submit/injob.py starts the ranks again), or failed."""
     from engine.runtime.health import NodesExcluded
-    from engine.runtime.signals import Preempted
+    from engine.runtime.signals import Interrupted, Preempted
 
     err = f"{type(e).__name__}: {e}"
     rec = ledger.read(stage)
@@ -467,6 +478,12 @@ def _record_failure(
         ledger.event("stopped", stage, error=err, reason="cancelled")
         return
     ledger.add_failure(stage, classify(from_exception(e)), "job")
+    if isinstance(e, Interrupted | KeyboardInterrupt):  # Ctrl-C: stop here, never requeue; a re-run resumes
+        step = e.step if isinstance(e, Interrupted) else None
+        extra = {**(rec.extra if rec else {}), "stopped_at_step": step}
+        ledger.update(stage, status=STOPPED, ended_at=time.time(), error=err, extra=extra)
+        ledger.event("stopped", stage, error=err, reason="interrupted", step=step)
+        return
     if isinstance(e, NodesExcluded):
         _requeue_without(ledger, stage, cfg, e.nodes, err)
         return

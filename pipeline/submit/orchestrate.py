@@ -7,6 +7,7 @@ dependencies and returns.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from pipeline.schema.config import PipelineConfig
 from pipeline.schema.graph import SPECS, dependencies, order, parts, required
 from pipeline.schema.identity import run_dir_for, stage_hashes
 from pipeline.schema.layout import stage_plan
-from pipeline.submit import prefork
+from pipeline.submit import interrupt, prefork
 from pipeline.submit.launch import (
     free_port,
     make_executor,
@@ -130,16 +131,18 @@ def execute(cfg: PipelineConfig, *, out: TextIO | None = None) -> int:
                     file=out,
                 )
             raise
-    server = _start_prefork(cfg, run_dir, d.submit)
-    try:
-        for s in d.submit:
-            python = server.python if server and SPECS[s].torch else None
-            for part, _ in pending_parts(cfg, run_dir, s, d.submit, out):  # then the stage's job gathers them
-                _run_one_local(cfg, s, run_dir, ledger, out, python=python, part=part)
-            _run_one_local(cfg, s, run_dir, ledger, out, python=python)
-    finally:
-        if server:
-            server.close()
+    with interrupt.catching() as presses:  # Ctrl-C: stop with the work kept (pipeline.submit.interrupt)
+        with interrupt.ignoring_sigint():
+            server = _start_prefork(cfg, run_dir, d.submit)
+        try:
+            for s in d.submit:
+                python = server.python if server and SPECS[s].torch else None
+                for part, _ in pending_parts(cfg, run_dir, s, d.submit, out):  # then the stage's job gathers
+                    _run_one_local(cfg, s, run_dir, ledger, out, presses, python=python, part=part)
+                _run_one_local(cfg, s, run_dir, ledger, out, presses, python=python)
+        finally:
+            if server:
+                server.close()
     return summarize(cfg, run_dir, out)
 
 
@@ -161,29 +164,40 @@ def _run_one_local(
     run_dir: Path,
     ledger: Ledger,
     out: TextIO,
+    presses: interrupt.Presses,
     python: str | None = None,
     part: str | None = None,
 ) -> None:
-    """Run one local job (the stage's, or one ``part`` of it) and wait for it, following its metrics."""
+    """Run one local job (the stage's, or one ``part`` of it) and wait for it, following its metrics; after
+    Ctrl-C (``presses``) raise ``interrupt.Stopped`` once it has ended."""
     ex = make_executor(cfg, stage, run_dir, python=python)
+    label = f"{stage}:{part}" if part else stage
+    if presses.count:
+        raise interrupt.Stopped(f"[{label}] not started (Ctrl-C); run the same command again to continue")
     port = free_port()
     mark_submitted(cfg, ledger, stage, cfg.cluster.executor)
-    job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), port, part)
+    with interrupt.ignoring_sigint():  # the job's controller and tasks: no KeyboardInterrupt of their own
+        job = ex.submit(run_stage, stage, cfg.to_dict(), str(run_dir), port, part)
     rec = ledger.read(stage)
-    extra = {**(rec.extra if rec else {}), "job_start": _process_start(str(job.job_id))}
+    extra = {
+        **(rec.extra if rec else {}),
+        "job_start": _process_start(str(job.job_id)),
+        "stopped_at_step": None,
+    }
     ledger.update(stage, job_ids=[str(job.job_id)], log=str(job.paths.stdout), extra=extra)
     ledger.event("submitted", stage, job_id=str(job.job_id), **({"part": part} if part else {}))
-    label = f"{stage}:{part}" if part else stage
     follower = progress.Follower(label, stage_out_dir(run_dir, stage) / "metrics.jsonl", out=out)
+    grace_s, killed = cfg.cluster.interrupt_grace_s, False
     try:
         if cfg.cluster.executor == "debug":
             job.results()
         else:
-            while not job.done():
-                follower.poll()
-                time.sleep(POLL_S)
-            job.results()
+            killed = interrupt.follow(job, follower.poll, presses, grace_s, POLL_S)
+            if not presses.count:  # after Ctrl-C the ledger tells (a killed or interrupted job may leave no
+                job.results()  # result file, which submitit waits seconds for)
     except Exception as e:
+        if presses.count:
+            raise _interrupted(ledger, stage, label, presses, killed, grace_s) from None
         follower.poll()
         log = job.paths.stderr if cfg.cluster.executor == "local" else None
         rec = ledger.read(stage)
@@ -200,7 +214,29 @@ def _run_one_local(
         reason = _diagnose(job.paths.folder) or _last_error(e)
         what = f"stage {stage!r}" + (f" (part {part!r})" if part else "")
         raise RunError(f"{what} failed: {reason}\n  log: {log or 'see above'}") from None
+    if presses.count:
+        raise _interrupted(ledger, stage, label, presses, killed, grace_s)
     follower.poll(final=True)
+
+
+def _interrupted(
+    ledger: Ledger, stage: str, label: str, presses: interrupt.Presses, killed: bool, grace_s: float
+) -> interrupt.Stopped:
+    """A job that ended after Ctrl-C: the line to print. A stage that saved and stopped recorded it itself;
+    one the command ended at once (``killed``), or that ended otherwise, is recorded here."""
+    rec = ledger.read(stage)
+    if not killed and rec and rec.status == STOPPED:
+        return interrupt.Stopped(interrupt.saved_line(label, rec.extra.get("stopped_at_step")))
+    if not killed and rec and rec.status == COMPLETED:
+        return interrupt.Stopped(
+            f"[{label}] completed before Ctrl-C could stop it; run the same command again"
+        )
+    ledger.add_failure(stage, classify(Evidence(signal=signal.SIGINT)), "submitter")
+    ledger.update(stage, status=STOPPED, ended_at=time.time(), error="stopped on Ctrl-C before it saved")
+    ledger.event("stopped", stage, reason="interrupted", at_once=killed)
+    if killed:
+        return interrupt.Stopped(interrupt.killed_line(label, presses, grace_s))
+    return interrupt.Stopped(interrupt.saved_line(label, None))
 
 
 def _diagnose(folder: Path) -> str | None:

@@ -72,6 +72,8 @@ def _reraise(e: BaseException) -> None:
 def test_exit_states_without_logs() -> None:
     assert classify(Evidence(exit_code=causes.HANG_EXIT_CODE)).name == "hang"
     assert classify(Evidence(exit_code=-signal.SIGTERM)).name == "preemption"
+    assert classify(Evidence(exit_code=-signal.SIGINT)).name == "interrupted"  # Ctrl-C, ended at once
+    assert classify(from_exception(KeyboardInterrupt())).name == "interrupted"
     assert classify(Evidence(exit_code=-signal.SIGKILL)).detail == "killed by SIGKILL"
     assert classify(Evidence(requeued_silently=True)).name == "node_failure"
     assert classify(Evidence()).name == "unknown"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.runtime.fault_injection import FaultInjector, InjectedFault, parse
-from engine.runtime.signals import HANG_EXIT_CODE, StopFlag
+from engine.runtime.signals import HANG_EXIT_CODE, Interrupted, Preempted, StopFlag, stopped
 from tests.support.timing import scaled
 
 
@@ -44,6 +44,30 @@ def test_stop_flag_is_set_by_each_signal() -> None:
             assert flag.requested and flag.signum == sig
         finally:
             flag.uninstall()
+
+
+def test_ctrl_c_stops_instead_of_requeueing_holds_end_on_it_and_its_repeats_are_ignored(
+    tmp_path: Path,
+) -> None:
+    import pickle
+
+    flag = StopFlag().install()
+    hold = FaultInjector(tmp_path, rank=0, text="hold@step:2", released=lambda: flag.requested)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)  # Ctrl-C, once seen, decides
+        assert flag.signum == signal.SIGINT
+        assert hold.check("step", 2) is None  # a hold ends on the stop request
+    finally:
+        flag.uninstall()
+    assert (
+        signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    )  # heeded: repeats cannot cut the stop's recording
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    e = stopped(signal.SIGINT, 17)
+    assert isinstance(e, Interrupted) and e.step == 17 and "step 17" in str(e)
+    assert pickle.loads(pickle.dumps(e)).step == 17  # submitit pickles the job's exception
+    assert type(stopped(signal.SIGTERM, 17)) is Preempted
 
 
 def test_watchdog_dumps_stacks_and_exits_with_hang_code(tmp_path: Path) -> None:
