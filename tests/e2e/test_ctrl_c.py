@@ -27,6 +27,7 @@ from tests.support import cli
 from tests.support.cli import metrics, run_dir, seeded
 from tests.support.env import REPO
 from tests.support.timing import scaled
+from tests.support.weights import assert_identical, final_tensors
 
 BASE = [
     "experiment=tiny",
@@ -50,20 +51,6 @@ def baseline(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     root = seeded(data_root, tmp_path_factory.mktemp("base"))
     cli.ok(run(root))
     return final_tensors(root)
-
-
-def final_tensors(root: Path) -> dict[str, torch.Tensor]:
-    from engine.checkpoint.latest import find_latest
-    from engine.checkpoint.load import load_tensors
-
-    latest = find_latest(run_dir(root) / "stages" / "pretrain" / "checkpoints", collective=False)
-    assert latest is not None and latest.name == "iter_0000006", latest
-    return load_tensors(latest)
-
-
-def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    assert not [k for k in a if not torch.equal(a[k], b[k])], "tensors differ"
 
 
 def start(root: Path, out: Path, *overrides: str, fault: str) -> subprocess.Popen[bytes]:

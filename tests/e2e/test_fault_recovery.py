@@ -21,6 +21,7 @@ from pipeline.records.ledger import Ledger
 from tests.support import cli
 from tests.support.cli import metrics, run_dir, seeded
 from tests.support.timing import scaled
+from tests.support.weights import assert_identical, final_tensors
 
 BASE = [
     "experiment=tiny",
@@ -33,21 +34,6 @@ DP2 = ["pretrain.parallel.dp=2", "pretrain.parallel.distributed_optimizer=true"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 run = partial(cli.run, base=BASE)
 _start = partial(cli.start, base=BASE)  # in its own process group, as a terminal would run it
-
-
-def final_tensors(root: Path) -> dict[str, torch.Tensor]:
-    from engine.checkpoint.latest import find_latest
-    from engine.checkpoint.load import load_tensors
-
-    latest = find_latest(run_dir(root) / "stages" / "pretrain" / "checkpoints", collective=False)
-    assert latest is not None and latest.name == "iter_0000006", latest
-    return load_tensors(latest)
-
-
-def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    diff = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not diff, f"tensors differ: {diff[:5]}"
 
 
 def until_done(
