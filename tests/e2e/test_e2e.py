@@ -66,7 +66,8 @@ def test_reduced_default_run_learns(tmp_path: Path) -> None:
         f"run.root={tmp_path}",
         "eval.num_task_examples=100",
         "eval.tasks=[pipeline_task,pipeline_pref]",
-        timeout=scaled(1700),  # 8-9 min idle, 13.4 min beside two-worker load (CI, 2026-12-07); test limit 1800
+        # 8-9 min idle, 13.4 min beside two-worker load (CI, 2026-12-07); the test's limit is 1800 s
+        timeout=scaled(1700),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_dir = run_dir_of(r.stdout)
