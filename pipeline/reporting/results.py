@@ -35,28 +35,48 @@ def _value_stderr(value: Any, stderr: Any) -> str:
     return f"{value:.4f}" + (f" ± {stderr:.4f}" if isinstance(stderr, (int, float)) else "")
 
 
+NAME_WIDTH = 40
+"""The widest model name the printed table shows; a longer one (a ``hf:`` path) keeps its start and, longer,
+its end (the model's folder) around an ellipsis (results.json has the full name)."""
+
+
+def short_name(name: str, width: int = NAME_WIDTH) -> str:
+    """``name`` cut to ``width`` characters: its first quarter and the rest from its end."""
+    if len(name) <= width:
+        return name
+    head = (width - 1) // 4
+    return name[:head] + "…" + name[len(name) - (width - 1 - head) :]
+
+
+def _number(v: Any, fmt: str) -> str:
+    if not isinstance(v, (int, float)):
+        return "-"
+    return fmt.format(v) if abs(v) < 1e6 else f"{v:.2e}"
+
+
 def results_table(path: Path) -> str:
-    """The comparison table of eval's results.json (schema: docs/ARCHITECTURE.md, 'Eval results')."""
+    """The comparison table of eval's results.json (schema: docs/ARCHITECTURE.md, 'Eval results'): a line per
+    model, then (when lm-eval tasks ran) a line per task metric with the models side by side. Columns stay
+    aligned whatever the names' lengths."""
     data: dict[str, Any] = json.loads(Path(path).read_text())
     models: dict[str, dict[str, Any]] = data.get("models", {})
-    header = f"{'model':<10}" + "".join(f"{label:>14}" for _, label, _ in COLUMNS)
+    names = {name: short_name(name) for name in models}
+    first = max([len("model"), *map(len, names.values())]) + 2
+    header = f"{'model':<{first}}" + "".join(f"{label:>14}" for _, label, _ in COLUMNS)
     lines = [header, "-" * len(header)]
     for name, res in models.items():
-        cells = []
-        for key, _, fmt in COLUMNS:
-            v = res.get(key)
-            text = (
-                fmt.format(v)
-                if isinstance(v, (int, float)) and abs(v) < 1e6
-                else f"{v:.2e}"
-                if isinstance(v, (int, float))
-                else "-"
-            )
-            cells.append(f"{text:>14}")
-        lines.append(f"{name:<10}" + "".join(cells))
+        cells = "".join(f"{_number(res.get(key), fmt):>14}" for key, _, fmt in COLUMNS)
+        lines.append(f"{names[name]:<{first}}" + cells)
     cols, rows = task_grid(models)
     if cols:  # one line per task metric, the models side by side
         width = max(len(c) for c in cols) + 2
-        lines += ["", f"{'lm-eval task':<{width}}" + "".join(f"{row[0]:>22}" for row in rows)]
-        lines += [f"{c:<{width}}" + "".join(f"{row[1 + j]:>22}" for row in rows) for j, c in enumerate(cols)]
+        each = [max(len(names[row[0]]), *map(len, row[1:])) + 2 for row in rows]  # a model's column
+        lines += [
+            "",
+            f"{'lm-eval task':<{width}}" + "".join(f"{names[r[0]]:>{w}}" for r, w in zip(rows, each)),
+        ]
+        lines += [
+            f"{c:<{width}}" + "".join(f"{r[1 + j]:>{w}}" for r, w in zip(rows, each))
+            for j, c in enumerate(cols)
+        ]
     return "\n".join(lines)

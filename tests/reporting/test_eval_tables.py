@@ -56,3 +56,23 @@ def test_printed_table_and_report_show_the_task_columns(tmp_path: Path) -> None:
     assert "eval-tasks" not in eval_table(tmp_path) and "lm-eval task" not in results_table(
         tmp_path / "stages" / "eval" / "results.json"
     )
+
+
+def test_a_long_model_name_keeps_the_columns_aligned(tmp_path: Path) -> None:
+    """A model named by a long ``hf:`` path is shortened in the middle; every line's columns start where the
+    header's do (results.json keeps the full name)."""
+    long = "hf:/lustre/fsx/shared/checkpoints/org-team/llama-3.1-8b-instruct-sft-v2"
+    models = {long: MODELS["hf:/models/base"], "pretrain": MODELS["pretrain"]}
+    path = write(tmp_path)
+    path.write_text(json.dumps({"models": models}))
+    text = results_table(path)
+    lines = text.splitlines()
+    head, _, shown, short = lines[:4]
+    assert shown.startswith("hf:/lustr…") and shown.split()[0].endswith("/llama-3.1-8b-instruct-sft-v2")
+    assert len(shown.split()[0]) == 40 and short.split()[0] == "pretrain"
+    end = head.index("perplexity") + len("perplexity")
+    assert shown[:end].endswith("20.50") and short[:end].endswith("12.25"), text
+    grid = lines[lines.index("") + 1 :]  # the task lines: every cell right-aligned under its model's name
+    assert all(len(row) == len(grid[0]) for row in grid), grid
+    assert grid[0].endswith(" pretrain") and grid[1].endswith("0.4100 ± 0.0210"), grid
+    assert "…" in grid[0] and grid[1].split("0.2500")[0].strip() == "arc_easy acc", grid
