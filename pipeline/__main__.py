@@ -23,12 +23,14 @@ from pipeline.cli.compose import (
     report,
 )
 from pipeline.schema.errors import ConfigError
+from pipeline.submit.interrupt import CtrlC, ctrl_c_raises
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C outside the local executor's loop (which keeps the work itself)
+        with ctrl_c_raises():
+            return _main(argv)
+    except CtrlC:  # Ctrl-C outside the local executor's loop (which keeps the work itself)
         print("stopped on Ctrl-C; run the same command again to continue", file=sys.stderr)
         return EXIT_INTERRUPTED
 

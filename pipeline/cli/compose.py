@@ -93,6 +93,13 @@ def report(e: ConfigError) -> int:
     return EXIT_CONFIG
 
 
+def stopped_on_ctrl_c(command: str, what: str) -> int:
+    """A companion command (status --watch, plan --simulate-failures, export) stopped by Ctrl-C
+    (``interrupt.CtrlC``): one line saying what it leaves, no traceback, exit 130."""
+    print(f"[{command}] stopped on Ctrl-C: {what}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
+
+
 def not_a_run_dir(path: Path) -> int:
     """status/cancel given something that is not a run directory: the one error shape, exit 2."""
     near = [p.name for p in path.parent.iterdir() if (p / "ledger").is_dir()] if path.parent.is_dir() else []

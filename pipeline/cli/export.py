@@ -26,11 +26,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipeline.cli.compose import stopped_on_ctrl_c
 from pipeline.records.ledger import COMPLETED, Ledger
 from pipeline.schema.build import from_dict
 from pipeline.schema.config import PipelineConfig
 from pipeline.schema.errors import ConfigError
 from pipeline.schema.graph import LM_STAGES
+from pipeline.submit.interrupt import CtrlC, ctrl_c_raises
 from pipeline.submit.provenance import hf_source
 
 
@@ -56,7 +58,7 @@ def pick_stage(ledger: Ledger, stage: str | None) -> str:
     raise ConfigError(f"stage: no completed training stage in {ledger.run_dir}; name one")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m pipeline.export", description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("stage", nargs="?", help="pretrain | sft | rlhf (default: the last completed one)")
@@ -79,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         "its base model (a Hugging Face base is referenced, a checkpoint base is exported into <out>/base)",
     )
     ap.set_defaults(peft=False)  # else the first action (store_false) makes --peft the default
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     run_dir = args.run_dir.resolve()
     try:
         cfg = run_config(run_dir)
@@ -110,18 +116,21 @@ def main(argv: list[str] | None = None) -> int:
 
         run_export = export_peft
     try:
-        manifest = run_export(
-            cfg.model,
-            ckpt,
-            out,
-            tokenizer_dir,
-            tolerance=args.tolerance or TOLERANCE,
-            threads=cfg.eval.threads,
-            source=hf_source(run_dir, cfg),
-        )
+        with ctrl_c_raises():
+            manifest = run_export(
+                cfg.model,
+                ckpt,
+                out,
+                tokenizer_dir,
+                tolerance=args.tolerance or TOLERANCE,
+                threads=cfg.eval.threads,
+                source=hf_source(run_dir, cfg),
+            )
     except HFConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except CtrlC:  # the export writes into a temporary folder, removed on any exception
+        return stopped_on_ctrl_c("export", f"nothing written to {out}; run the same command again")
     except ExportError as e:
         ledger.event("export_failed", stage, error=str(e))
         print(f"export failed: {e}", file=sys.stderr)

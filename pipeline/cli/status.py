@@ -11,9 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.cli.compose import not_a_run_dir
+from pipeline.cli.compose import not_a_run_dir, stopped_on_ctrl_c
 from pipeline.records.ledger import CANCELLED, FAILED
 from pipeline.reporting.status import ACTIVE_VIEW, BLOCKED, format_status, live_lines, run_status
+from pipeline.submit.interrupt import CtrlC, ctrl_c_raises
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,18 +26,19 @@ def main(argv: list[str] | None = None) -> int:
         return not_a_run_dir(a.run_dir)
     live = bool(a.watch) and sys.stdout.isatty()
     try:
-        while True:
-            views = run_status(a.run_dir)
-            text = format_status(a.run_dir, views)
-            if a.watch:
-                text += "\n" + live_lines(a.run_dir, views, a.watch)
-            # a terminal: redraw in place (cursor home, clear screen); a pipe: one block per refresh
-            print(("\x1b[H\x1b[2J" if live else "") + text, flush=True)
-            if not a.watch or not any(v.state in ACTIVE_VIEW for v in views):
-                return 1 if any(v.state in (FAILED, BLOCKED, CANCELLED) for v in views) else 0
-            time.sleep(a.watch)
-    except KeyboardInterrupt:
-        return 0
+        with ctrl_c_raises():
+            while True:
+                views = run_status(a.run_dir)
+                text = format_status(a.run_dir, views)
+                if a.watch:
+                    text += "\n" + live_lines(a.run_dir, views, a.watch)
+                # a terminal: redraw in place (cursor home, clear screen); a pipe: one block per refresh
+                print(("\x1b[H\x1b[2J" if live else "") + text, flush=True)
+                if not a.watch or not any(v.state in ACTIVE_VIEW for v in views):
+                    return 1 if any(v.state in (FAILED, BLOCKED, CANCELLED) for v in views) else 0
+                time.sleep(a.watch)
+    except CtrlC:  # only the watching stops: the run's jobs go on
+        return stopped_on_ctrl_c("status", "the run goes on; --watch again to follow it")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,27 @@ def catching() -> Iterator[Presses]:
         signal.signal(signal.SIGINT, previous)
 
 
+class CtrlC(BaseException):
+    """Ctrl-C in a companion command that ends itself on it (``ctrl_c_raises``). Not a KeyboardInterrupt: CPython
+    marks a KeyboardInterrupt that passes through an ``exec`` of source text (a dataclass being created, as
+    lazy imports do) as unhandled even when caught later, and then ends the process by SIGINT at exit: exit
+    status -2 instead of the command's 130."""
+
+
+@contextlib.contextmanager
+def ctrl_c_raises() -> Iterator[None]:
+    """While the block runs, SIGINT raises ``CtrlC``."""
+
+    def raise_ctrl_c(signum: int, frame: FrameType | None) -> None:
+        raise CtrlC
+
+    previous = signal.signal(signal.SIGINT, raise_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @contextlib.contextmanager
 def ignoring_sigint() -> Iterator[None]:
     """Processes started in the block inherit SIGINT ignored (an exec keeps SIG_IGN, and Python then installs no

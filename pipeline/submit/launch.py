@@ -353,6 +353,8 @@ def run_stage(
                 _record_part_failure(ledger, stage, cfg, e, part)
         if local_group and not _is_preempted(e):
             end_local_job()
+        if cfg.cluster.executor == "debug" and _is_interrupted(e):
+            return {}  # in-process Ctrl-C, recorded: a stop, not an error for submitit's post-mortem debugger
         raise
     if rank == 0 and part is not None:
         ledger.event("part_completed", stage, part=part)
@@ -379,6 +381,12 @@ def _interrupt_once(signum: int, frame: Any) -> None:
     repeats (the command resends it until the job ends) are ignored while the stop is recorded."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+def _is_interrupted(e: BaseException) -> bool:
+    from engine.runtime.signals import Interrupted
+
+    return isinstance(e, Interrupted)
 
 
 def _is_preempted(e: BaseException) -> bool:

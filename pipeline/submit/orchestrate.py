@@ -196,7 +196,7 @@ def _run_one_local(
             if not presses.count:  # after Ctrl-C the ledger tells (a killed or interrupted job may leave no
                 job.results()  # result file, which submitit waits seconds for)
     except Exception as e:
-        if presses.count:
+        if presses.count or _stopped_on_ctrl_c(ledger.read(stage)):
             raise _interrupted(ledger, stage, label, presses, killed, grace_s) from None
         follower.poll()
         log = job.paths.stderr if cfg.cluster.executor == "local" else None
@@ -214,9 +214,17 @@ def _run_one_local(
         reason = _diagnose(job.paths.folder) or _last_error(e)
         what = f"stage {stage!r}" + (f" (part {part!r})" if part else "")
         raise RunError(f"{what} failed: {reason}\n  log: {log or 'see above'}") from None
-    if presses.count:
+    if presses.count or _stopped_on_ctrl_c(ledger.read(stage)):  # debug: the stage took the press itself
         raise _interrupted(ledger, stage, label, presses, killed, grace_s)
     follower.poll(final=True)
+
+
+def _stopped_on_ctrl_c(rec: StageRecord | None) -> bool:
+    """The stage saved and stopped on SIGINT itself (the debug executor's in-process stage takes the press
+    from the command's counter while its loop runs)."""
+    return bool(
+        rec and rec.status == STOPPED and rec.failures and rec.failures[-1].get("cause") == "interrupted"
+    )
 
 
 def _interrupted(

@@ -154,3 +154,30 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line_and_the_run_resumes(
     cli.ok(run(root, "pretrain.save_interval=2"))
     assert [m["from_step"] for m in metrics(root, "resume")] == [2]
     assert_identical(final_tensors(root), baseline)
+
+
+def test_ctrl_c_on_the_debug_executor_saves_in_one_line_without_a_debugger(
+    data_root: Path, baseline: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """``cluster=debug`` runs the stage in the command's own process: the loop takes the press itself, saves and
+    stops; the command says so in one line and exits 130 (no post-mortem debugger, which submitit's debug
+    executor opens on a job's error), and the re-run resumes exactly."""
+    root, out = seeded(data_root, tmp_path / "root"), tmp_path / "out.txt"
+    cmd = start(root, out, "cluster=debug", fault="hold@step:4")
+    try:
+        wait_for("the fault", lambda: "[fault] injecting hold@step:4" in out.read_text(errors="replace"))
+        before = len(lines(out))
+        os.killpg(cmd.pid, signal.SIGINT)
+        rc = cmd.wait(timeout=scaled(120))
+    finally:
+        end(cmd)
+    text, after = out.read_text(errors="replace"), lines(out)[before:]
+    assert rc == 130 and "Traceback" not in text and "(Pdb)" not in text, text[-3000:]
+    # in-process, the stage's own log is on the console too: its save (two lines), then the command's line
+    assert len(after) <= 3 and "[pretrain] stopped on Ctrl-C: checkpoint saved at step 4" in after[-1], after
+    assert not any("rror" in x for x in after), after
+    led = Ledger(run_dir(root)).read("pretrain")
+    assert led and led.status == "stopped" and [f["cause"] for f in led.failures] == ["interrupted"], led
+    cli.ok(run(root, "cluster=debug"))
+    assert [(m["from_step"], m["steps_lost"]) for m in metrics(root, "resume")] == [(4, 0)]
+    assert_identical(final_tensors(root), baseline)

@@ -1,15 +1,18 @@
 """What a run and its export leave on a shared filesystem, through the CLI: every file and directory (the
 checkpoints, the exported safetensors shards and PEFT adapters, the ledger, metrics and lock files) has the
 mode the umask gives, and an export of a model that started from ``hf:<dir>`` keeps that model's
-``pad_token_id`` exactly (absent, null or set)."""
+``pad_token_id`` exactly (absent, null or set); an export stopped by Ctrl-C leaves nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +80,37 @@ def wrong_modes(root: Path, mask: int) -> list[str]:
     return bad
 
 
+def export_stopped_by_ctrl_c(run_dir: Path, stage: str, target: Path) -> None:
+    """SIGINT to the export's process group (as a terminal sends it) once its temporary folder exists: one line,
+    exit 130, no traceback, neither ``target`` nor the temporary folder left."""
+    log = target.parent / f"{target.name}.log"
+    cmd = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.export", str(run_dir), stage, "--out", str(target)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + scaled(300)
+        while not list(target.parent.glob(f".tmp.{target.name}.*")):
+            assert cmd.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(cmd.pid, signal.SIGINT)
+        rc = cmd.wait(timeout=scaled(120))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(cmd.pid, signal.SIGKILL)
+        cmd.wait()
+    said = log.read_text().splitlines()
+    assert rc == 130 and said == [
+        f"[export] stopped on Ctrl-C: nothing written to {target}; run the same command again"
+    ], said
+    assert not target.exists() and not list(target.parent.glob(".tmp.*")), list(target.parent.iterdir())
+    log.unlink()
+
+
 def pad(d: Path, name: str) -> object:
     data = json.loads((d / name).read_text())
     return data.get("pad_token_id", "absent")
@@ -90,6 +124,7 @@ def test_group_umask_run_and_export_pad_absent(tmp_path: Path) -> None:
     base = base_model(tmp_path, {"pad_token_id": None}, None)
     run_dir = train(tmp_path, 0o002, base)
     assert list((run_dir / "stages" / "sft" / "checkpoints").glob("iter_*/*.distcp"))
+    export_stopped_by_ctrl_c(run_dir, "sft", tmp_path / "stopped")
     cli(0o002, "pipeline.export", str(run_dir), "sft")
     out = run_dir / "export" / "sft"
     assert list(out.glob("model-*.safetensors"))

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from pipeline.records.ledger import Ledger
 from pipeline.reporting.status import run_status
@@ -44,6 +43,7 @@ from tests.support.slurm_helpers import (
     wait_settled,
 )
 from tests.support.timing import scaled
+from tests.support.weights import assert_identical, tensors_at
 
 pytestmark = pytest.mark.slurm
 
@@ -90,7 +90,7 @@ def test_node_killed_mid_pretrain_is_requeued_resumed_and_matches_uninterrupted_
     wait_sacct(cluster, jobs["pretrain"], ["NODE_FAIL", "COMPLETED"])
     _check_rerun_avoided_the_dead_node(run_dir, victim)
     _check_resume_and_accounting(cluster, run_dir, jobs["pretrain"])
-    _assert_identical(_final_tensors(run_dir), _final_tensors(baseline))
+    assert_identical(tensors_at(run_dir, ITERS), tensors_at(baseline, ITERS))
     _report_recovery(cluster, run_dir, t_kill, seen)
 
 
@@ -212,21 +212,6 @@ def _check_resume_and_accounting(cluster: Any, run_dir: Path, job: str) -> None:
 def _metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "stages" / "pretrain" / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def _final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
-    from engine.checkpoint.latest import find_latest
-    from engine.checkpoint.load import load_tensors
-
-    latest = find_latest(run_dir / "stages" / "pretrain" / "checkpoints", collective=False)
-    assert latest is not None and latest.name == f"iter_{ITERS:07d}", latest
-    return load_tensors(latest)
-
-
-def _assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    diff = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not diff, f"tensors differ: {diff[:5]}"
 
 
 def _report_recovery(cluster: Any, run_dir: Path, t_kill: float, seen: dict[str, float]) -> None:

@@ -12,11 +12,16 @@ if TYPE_CHECKING:
 
 
 def final_tensors(root: Path, step: int = 6) -> dict[str, torch.Tensor]:
-    """The tensors of the newest pretrain checkpoint under ``root``'s run, which must be the one of ``step``."""
+    """The tensors of the newest pretrain checkpoint under run root ``root``'s one run (see ``tensors_at``)."""
+    return tensors_at(run_dir(root), step)
+
+
+def tensors_at(run: Path, step: int) -> dict[str, torch.Tensor]:
+    """The tensors of the newest pretrain checkpoint of run directory ``run``, which must be the one of ``step``."""
     from engine.checkpoint.latest import find_latest
     from engine.checkpoint.load import load_tensors
 
-    latest = find_latest(run_dir(root) / "stages" / "pretrain" / "checkpoints", collective=False)
+    latest = find_latest(run / "stages" / "pretrain" / "checkpoints", collective=False)
     assert latest is not None and latest.name == f"iter_{step:07d}", latest
     return load_tensors(latest)
 
