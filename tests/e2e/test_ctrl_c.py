@@ -140,6 +140,26 @@ def test_ctrl_c_saves_at_the_next_step_says_so_in_one_line_and_the_rerun_resumes
     assert_identical(final_tensors(root), baseline)
 
 
+def test_ctrl_c_inside_a_save_finishes_it_stops_in_one_line_and_the_rerun_resumes_exactly(
+    data_root: Path, baseline: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """The press lands inside the save of step 2 (held after its files are written, before its commit): the
+    save completes, the stage stops there, and the re-run resumes from it bit-identical."""
+    root, out = seeded(data_root, tmp_path / "root"), tmp_path / "out.txt"
+    rc, after = interrupt(root, out, "hold@ckpt_write:2", 1, "pretrain.save_interval=2")
+    assert rc == 130 and "Traceback" not in out.read_text(), out.read_text()[-3000:]
+    led = Ledger(run_dir(root)).read("pretrain")
+    assert led and led.status == "stopped" and [f["cause"] for f in led.failures] == ["interrupted"], led
+    step = led.extra.get("stopped_at_step")
+    assert step is not None and step >= 2, led.extra
+    assert (
+        len(after) <= 2 and f"[pretrain] stopped on Ctrl-C: checkpoint saved at step {step}" in after[-1]
+    ), after
+    cli.ok(run(root, "pretrain.save_interval=2"))
+    assert [(m["from_step"], m["steps_lost"]) for m in metrics(root, "resume")] == [(step, 0)]
+    assert_identical(final_tensors(root), baseline)
+
+
 def test_a_second_ctrl_c_stops_at_once_in_one_line_and_the_run_resumes(
     data_root: Path, baseline: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
