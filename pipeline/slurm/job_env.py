@@ -92,6 +92,29 @@ def _query(*cmd: str) -> str | None:
     return r.stdout if r.returncode == 0 else None
 
 
+def cancelled_by_scancel() -> bool:
+    """Someone ran ``scancel`` on this job: its SIGTERM is no preemption, and the job must not requeue itself.
+    While the job's processes are being ended slurmctld shows it only as COMPLETING; the accounting has it as
+    ``CANCELLED by <uid>`` at once (a preemption: PREEMPTED, a time limit: TIMEOUT). False outside SLURM or when
+    SLURM cannot be asked."""
+    job = _this_job()
+    if not job:
+        return False
+    for cmd in (["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"], ["scontrol", "show", "job", job]):
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        states = (
+            r.stdout.split()
+            if cmd[0] == "sacct"
+            else [w[9:] for w in r.stdout.split() if w.startswith("JobState=")]
+        )
+        if r.returncode == 0 and any(s.startswith("CANCELLED") for s in states):
+            return True
+    return False
+
+
 def _this_job() -> str | None:
     job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
     if job and os.environ.get("SLURM_ARRAY_TASK_ID"):

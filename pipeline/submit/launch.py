@@ -15,22 +15,16 @@ import signal
 import socket
 import sys
 import time
-import traceback
 from collections.abc import Callable, MutableMapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from pipeline.records.alarm_log import forward_alarms
-from pipeline.records.causes import HANG_EXIT_CODE, Evidence, classify, from_exception
+from pipeline.records.causes import Evidence, classify
 from pipeline.records.ledger import (
-    ACTIVE,
-    CANCELLED,
     COMPLETED,
-    FAILED,
-    REQUEUED,
     RUNNING,
-    STOPPED,
     SUBMITTED,
     Ledger,
     StageRecord,
@@ -43,13 +37,14 @@ from pipeline.schema.identity import stage_hashes
 from pipeline.schema.layout import ParallelPlan, stage_plan
 from pipeline.slurm.job_env import (  # noqa: F401  (free_port re-exported)
     RELAY_ENV,
+    cancelled_by_scancel,
     free_port,
     in_slurm_job,
     requeue_excluding,
     requeue_self,
     restart_count,
 )
-from pipeline.slurm.queries import exclude_nodes
+from pipeline.submit.outcomes import is_preempted, record_failure, record_hang, record_part_failure
 
 if TYPE_CHECKING:
     from engine.context import DistEnv, StageContext
@@ -334,7 +329,7 @@ def run_stage(
             cfg,
             Path(run_dir),
             attempt,
-            on_hang=(partial(_record_hang, ledger, stage, injob[1]),)
+            on_hang=(partial(record_hang, ledger, stage, injob[1]),)
             + ((end_local_job,) if local_group else ()),
             dist=dist,
             injob_left=injob[1],
@@ -348,10 +343,10 @@ def run_stage(
         if rank == 0:
             forward_alarms(ledger, stage)
             if part is None:
-                _record_failure(ledger, stage, cfg, e, injob_left=injob[1])
+                record_failure(ledger, stage, cfg, e, injob_left=injob[1])
             else:
-                _record_part_failure(ledger, stage, cfg, e, part)
-        if local_group and not _is_preempted(e):
+                record_part_failure(ledger, stage, cfg, e, part)
+        if local_group and not is_preempted(e):
             end_local_job()
         if cfg.cluster.executor == "debug" and _is_interrupted(e):
             return {}  # in-process Ctrl-C, recorded: a stop, not an error for submitit's post-mortem debugger
@@ -387,12 +382,6 @@ def _is_interrupted(e: BaseException) -> bool:
     from engine.runtime.signals import Interrupted
 
     return isinstance(e, Interrupted)
-
-
-def _is_preempted(e: BaseException) -> bool:
-    from engine.runtime.signals import Preempted
-
-    return isinstance(e, Preempted)
 
 
 def end_local_job() -> None:
@@ -433,14 +422,6 @@ def end_local_job() -> None:
             continue
 
 
-def _record_hang(ledger: Ledger, stage: str, injob_left: int) -> None:
-    """A hung rank's watchdog, just before it exits: the attempt's cause is a hang (any rank may write); with
-    in-job restarts left its supervisor starts it again (an ``injob_restart`` event)."""
-    ledger.add_failure(stage, classify(Evidence(exit_code=HANG_EXIT_CODE)), "watchdog")
-    if injob_left > 0:
-        ledger.event("injob_restart", stage, error="hang: the watchdog saw no progress", left=injob_left)
-
-
 def _mark_started(ledger: Ledger, stage: str, job_id: str, dist: DistEnv, injob: int = 0) -> int:
     """Rank 0: the ledger says running; the event records the rendezvous and the code this job imports.
     Returns the stage's attempt number (1 = first start)."""
@@ -470,83 +451,6 @@ def _mark_started(ledger: Ledger, stage: str, job_id: str, dist: DistEnv, injob:
         code=str(REPO_ROOT),
     )
     return attempt
-
-
-def _record_failure(
-    ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseException, injob_left: int = 0
-) -> None:
-    """Ledger entry for a stage that did not complete: stopped on a signal, requeued, restarted inside the job
-    (``injob_left``: in-job restarts left; pipeline/submit/injob.py starts the ranks again), or failed."""
-    from engine.runtime.health import NodesExcluded
-    from engine.runtime.signals import Interrupted, Preempted
-
-    err = f"{type(e).__name__}: {e}"
-    rec = ledger.read(stage)
-    if rec and rec.status == CANCELLED:  # python -m pipeline.cancel: stopping is expected, never requeue
-        ledger.event("stopped", stage, error=err, reason="cancelled")
-        return
-    ledger.add_failure(stage, classify(from_exception(e)), "job")
-    if isinstance(e, Interrupted | KeyboardInterrupt):  # Ctrl-C: stop here, never requeue; a re-run resumes
-        step = e.step if isinstance(e, Interrupted) else None
-        extra = {**(rec.extra if rec else {}), "stopped_at_step": step}
-        ledger.update(stage, status=STOPPED, ended_at=time.time(), error=err, extra=extra)
-        ledger.event("stopped", stage, error=err, reason="interrupted", step=step)
-        return
-    if isinstance(e, NodesExcluded):
-        _requeue_without(ledger, stage, cfg, e.nodes, err)
-        return
-    if isinstance(e, Preempted):
-        requeued = requeue_self(f"stopped by signal {e}")
-        ledger.update(stage, status=REQUEUED if requeued else STOPPED, ended_at=time.time(), error=err)
-        ledger.event("requeued" if requeued else "stopped", stage, error=err)
-        return
-    if injob_left > 0:  # the task's supervisor starts every rank again, in this allocation
-        ledger.update(stage, error=err)
-        ledger.event("injob_restart", stage, error=err, left=injob_left)
-        return
-    if restart_count() < cfg.cluster.max_requeues and requeue_self(f"crashed: {err}"):
-        ledger.update(stage, status=REQUEUED, error=err)
-        ledger.event("requeued", stage, error=err, traceback=traceback.format_exc(limit=20))
-        return
-    ledger.update(stage, status=FAILED, ended_at=time.time(), error=err)
-    ledger.event("failed", stage, error=err, traceback=traceback.format_exc(limit=20))
-
-
-def _requeue_without(
-    ledger: Ledger, stage: str, cfg: PipelineConfig, nodes: dict[str, str], err: str
-) -> None:
-    """cluster.health.policy=exclude named ``nodes``: remembered for the run, this job requeued without them,
-    and the run's other pending jobs (later stages) kept off them too."""
-    every = ledger.exclude_nodes(nodes)
-    others = [
-        j
-        for s, r in ledger.records(list(cfg.run.stages)).items()
-        if s != stage and r is not None and r.status in ACTIVE
-        for j in r.job_ids
-    ]
-    updated = exclude_nodes(others, sorted(every))
-    requeued = requeue_excluding(sorted(every), err)
-    ledger.update(stage, status=REQUEUED if requeued else FAILED, ended_at=time.time(), error=err)
-    ledger.event("node_excluded", stage, nodes=nodes, excluded=sorted(every), requeued=requeued, jobs=updated)
-
-
-def _record_part_failure(
-    ledger: Ledger, stage: str, cfg: PipelineConfig, e: BaseException, part: str
-) -> None:
-    """A part's job did not finish: requeue it while requeues are left (a stop signal always), else the stage
-    failed, naming the part (its gathering job will not run; a re-run redoes only the parts without a result)."""
-    err = f"{type(e).__name__}: {e}"
-    rec = ledger.read(stage)
-    if rec and rec.status == CANCELLED:
-        ledger.event("stopped", stage, part=part, error=err, reason="cancelled")
-        return
-    preempted = _is_preempted(e)
-    if (preempted or restart_count() < cfg.cluster.max_requeues) and requeue_self(f"part {part}: {err}"):
-        ledger.event("part_requeued", stage, part=part, error=err)
-        return
-    ledger.add_failure(stage, classify(from_exception(e)), "job")
-    ledger.update(stage, status=FAILED, ended_at=time.time(), error=f"part {part!r} failed: {err}")
-    ledger.event("part_failed", stage, part=part, error=err, traceback=traceback.format_exc(limit=20))
 
 
 def stage_context(
