@@ -14,6 +14,11 @@ import time as _time
 import uuid as _uuid
 from pathlib import Path as _Path
 
+# The suite runs oversubscribed by design (two workers, multi-rank tests and SLURM nodes on 2 cores): idle
+# OpenMP threads must sleep, not spin as GNU OpenMP's do by default (two 2-thread torch processes on 2 busy
+# cores: 52 s spinning, 8 s passive; docs/testing.md). Set before torch is imported here or in any child.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest as _pytest
 
 from tests.support.slurm_cluster import slurm_cluster  # noqa: F401
